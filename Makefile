@@ -1,0 +1,37 @@
+# make book: build the book into _build/html.  make test: every check.
+# Both create .venv and install requirements.txt and flashlab first.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(abspath $(VENV))/bin
+STAMP := $(VENV)/.installed
+# Notebook kernels and tools must come from the venv, not the system.
+export PATH := $(BIN):$(PATH)
+
+.PHONY: book test lint unit notebooks clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+book: $(STAMP)
+	rm -rf _build
+	$(BIN)/jupyter-book build . --all -W -n --keep-going
+	@echo "Open $(CURDIR)/_build/html/intro.html"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+notebooks: $(STAMP)
+	$(BIN)/python -m pytest --nbval --nbval-current-env \
+	    --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks
+
+test: lint unit notebooks book
+
+clean:
+	rm -rf _build $(VENV)

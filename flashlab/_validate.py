@@ -1,0 +1,103 @@
+"""Argument checks shared by every attention entry point."""
+
+import math
+import numbers
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def as_float_array(name, x):
+    """Return `x` as a float32/float64 ndarray, or raise naming `name`."""
+    arr = np.asarray(x)
+    if arr.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name}: expected a float32 or float64 array, got dtype "
+            f"{arr.dtype}"
+        )
+    return arr
+
+
+def check_qkv(q, k, v):
+    """Validate q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv)."""
+    q = as_float_array("q", q)
+    k = as_float_array("k", k)
+    v = as_float_array("v", v)
+    for name, arr in (("q", q), ("k", k), ("v", v)):
+        if arr.ndim < 2:
+            raise ValueError(
+                f"{name}: expected at least 2 dims (..., N, d), got shape "
+                f"{arr.shape}"
+            )
+        if arr.shape[-2] < 1 or arr.shape[-1] < 1:
+            raise ValueError(
+                f"{name}: expected N >= 1 and d >= 1, got shape {arr.shape}"
+            )
+    for name, arr in (("k", k), ("v", v)):
+        if arr.dtype != q.dtype:
+            raise TypeError(
+                f"{name}: expected dtype {q.dtype} to match q, got "
+                f"{arr.dtype}"
+            )
+        if arr.shape[:-2] != q.shape[:-2]:
+            raise ValueError(
+                f"{name}: expected leading dims {q.shape[:-2]} to match q, "
+                f"got {arr.shape[:-2]}"
+            )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"k: expected head dim d={q.shape[-1]} to match q, got "
+            f"{k.shape[-1]}"
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"v: expected Nk={k.shape[-2]} rows to match k, got "
+            f"{v.shape[-2]}"
+        )
+    return q, k, v
+
+
+def check_scale(scale, d):
+    """Return the score scale: 1/sqrt(d) for None, else a finite float."""
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(
+            f"scale: expected a real number or None, got {scale!r}"
+        )
+    if not math.isfinite(scale):
+        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    return float(scale)
+
+
+def check_block(name, value):
+    """Return a block size as an int >= 1, or raise naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def check_mask(mask, batch_shape, nq, nk):
+    """Return a boolean mask broadcastable to (*batch_shape, Nq, Nk)."""
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(
+            f"mask: expected a boolean array (True = may attend), got dtype "
+            f"{mask.dtype}"
+        )
+    target = (*batch_shape, nq, nk)
+    try:
+        shape = np.broadcast_shapes(mask.shape, target)
+    except ValueError:
+        shape = None
+    if shape != target:
+        raise ValueError(
+            f"mask: expected a shape broadcastable to {target}, got "
+            f"{mask.shape}"
+        )
+    return mask

@@ -1,0 +1,97 @@
+"""The (max, denominator, numerator) summary of a block of keys, and its merge.
+
+A summary of keys with scores s_j and values v_j, for one query row, is
+
+    m = max_j s_j,   l = sum_j exp(s_j - m),   u = sum_j exp(s_j - m) v_j
+
+and the attention output over those keys is u / l. Two summaries put on a
+common maximum add up, so any split of the keys can be summarized piece by
+piece and merged. This is the only place in flashlab that does that
+algebra; the online update, the tiled loops and the split-KV paths all
+call `merge`. See chapters 2-5.
+
+An empty block (no allowed key) has m = -inf, l = 0, u = 0: the identity
+of `merge`. The code never forms (-inf) - (-inf), so no NaN appears.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Summary(NamedTuple):
+    """Row summaries: m (...,), l (...,), u (..., dv). See chapter 4."""
+
+    m: np.ndarray
+    l: np.ndarray  # the paper's name for the denominator
+    u: np.ndarray
+
+    def output(self):
+        """Attention output u / l (..., dv); 0 for rows with no keys."""
+        l = self.l[..., None]
+        safe = np.where(l > 0, l, 1)
+        return np.where(l > 0, self.u / safe, 0).astype(self.u.dtype)
+
+    def lse(self):
+        """Log-sum-exp of the scores (...,); -inf for rows with no keys."""
+        positive = self.l > 0
+        safe = np.where(positive, self.l, 1)
+        return np.where(positive, self.m + np.log(safe), -np.inf).astype(
+            self.l.dtype
+        )
+
+
+def empty(rows_shape, dv, dtype):
+    """Summary of no keys at all, for rows_shape rows: the merge identity."""
+    return Summary(
+        m=np.full(rows_shape, -np.inf, dtype=dtype),
+        l=np.zeros(rows_shape, dtype=dtype),
+        u=np.zeros((*rows_shape, dv), dtype=dtype),
+    )
+
+
+def summarize(scores, values):
+    """Summary of one block: scores (..., C), values (..., C, dv).
+
+    Masked keys carry score -inf and contribute nothing.
+    """
+    scores = np.asarray(scores)
+    values = np.asarray(values)
+    m = scores.max(axis=-1)  # (...,)
+    p = np.exp(scores - _finite(m)[..., None])  # (..., C), all <= 1
+    l = p.sum(axis=-1)
+    u = _rows_times(p, values)  # (..., dv)
+    return Summary(m, l, u)
+
+
+def merge(a, b):
+    """Summary of the union of the keys behind summaries a and b."""
+    m = np.maximum(a.m, b.m)
+    alpha = rescale(a.m, m)  # (...,) moves a onto the new maximum
+    beta = rescale(b.m, m)
+    return Summary(
+        m=m,
+        l=alpha * a.l + beta * b.l,
+        u=alpha[..., None] * a.u + beta[..., None] * b.u,
+    )
+
+
+def rescale(m_old, m_new):
+    """exp(m_old - m_new), taken as 0 when m_old is -inf (an empty block)."""
+    return np.exp(m_old - _finite(m_new))
+
+
+def _finite(m):
+    """m with -inf (rows that saw no key yet) replaced by 0."""
+    return np.where(np.isneginf(m), 0, m).astype(m.dtype)
+
+
+def _rows_times(p, values):
+    """sum_j p[..., j] * values[..., j, :] for p (..., C), values (..., C, dv).
+
+    p may carry more leading dims than values (several query rows against
+    one block of values), so this is a matmul when it can be one.
+    """
+    if p.ndim == values.ndim:  # p (..., R, C) @ values (..., C, dv)
+        return p @ values
+    return (p[..., None, :] @ values)[..., 0, :]

@@ -1,0 +1,70 @@
+"""Materialized attention: the N x N path, and the float64 ground truth.
+
+`naive` is the textbook three-step computation in the input precision
+(S = scale * Q K^T, P = softmax(S), O = P V), holding S and P whole. It is
+what chapter 1 costs out and what the error budgets of faster code are
+measured against. `attention` runs the same steps in float64 and is the
+reference every test compares with.
+"""
+
+import numpy as np
+
+from flashlab import masks
+from flashlab._validate import check_mask, check_qkv, check_scale
+
+
+def softmax(s):
+    """Row softmax of scores s (..., Nk); rows that are all -inf give 0."""
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - np.where(np.isneginf(m), 0, m))  # masked -> exp(-inf) = 0
+    total = e.sum(axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1)
+
+
+def scores(q, k, *, scale=None, causal=False, mask=None):
+    """Masked score matrix S (..., Nq, Nk); disallowed pairs are -inf."""
+    q, k, _ = check_qkv(q, k, k)
+    nq, nk = q.shape[-2], k.shape[-2]
+    scale = check_scale(scale, q.shape[-1])
+    mask = check_mask(mask, q.shape[:-2], nq, nk)
+    s = scale * (q @ np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
+    keep = masks.allowed(
+        range(nq), range(nk), masks.causal_offset(causal, nq, nk), mask
+    )
+    if keep is not None:
+        s = np.where(keep, s, -np.inf)
+    return s
+
+
+def naive(q, k, v, *, scale=None, causal=False, mask=None,
+          return_lse=False):
+    """Materialized attention in the input dtype. q (..., Nq, d) -> O.
+
+    Holds the full S and P (..., Nq, Nk). See chapter 1.
+    """
+    q, k, v = check_qkv(q, k, v)
+    s = scores(q, k, scale=scale, causal=causal, mask=mask)
+    o = softmax(s) @ v  # (..., Nq, dv)
+    if not return_lse:
+        return o
+    m = s.max(axis=-1)
+    safe_m = np.where(np.isneginf(m), 0, m)
+    total = np.exp(s - safe_m[..., None]).sum(axis=-1)
+    with np.errstate(divide="ignore"):  # log(0) = -inf for empty rows
+        lse = safe_m + np.log(total)
+    return o, lse.astype(o.dtype)
+
+
+def attention(q, k, v, *, scale=None, causal=False, mask=None,
+              return_lse=False):
+    """Ground truth: materialized attention computed in float64."""
+    q, k, v = check_qkv(q, k, v)
+    return naive(
+        q.astype(np.float64),
+        k.astype(np.float64),
+        v.astype(np.float64),
+        scale=scale,
+        causal=causal,
+        mask=mask,
+        return_lse=return_lse,
+    )

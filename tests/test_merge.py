@@ -1,0 +1,127 @@
+"""The merge algebra: exactness, the empty identity, order, huge scores."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashlab import merge, reference
+from helpers import max_abs_err
+
+
+def direct(scores, values):
+    """Stable softmax-weighted sum of values over all scores at once."""
+    return reference.softmax(scores) @ values
+
+
+def test_summary_output_is_softmax_average(rng):
+    s = rng.standard_normal(11) * 3
+    v = rng.standard_normal((11, 4))
+    assert max_abs_err(merge.summarize(s, v).output(), direct(s, v)) < 1e-15
+
+
+def test_merge_of_any_split_is_exact(rng):
+    s = rng.standard_normal((5, 20)) * 4  # 5 query rows, 20 keys
+    v = rng.standard_normal((20, 3))
+    cut = int(rng.integers(1, 20))
+    a = merge.summarize(s[:, :cut], v[:cut])
+    b = merge.summarize(s[:, cut:], v[cut:])
+    both = merge.merge(a, b)
+    assert max_abs_err(both.output(), direct(s, v)) < 1e-14
+    whole = merge.summarize(s, v)
+    assert max_abs_err(both.lse(), whole.lse()) < 1e-14
+
+
+def test_seed_003_large_scores_without_overflow():
+    s = np.array([1000.0, 1001.0, 999.0])
+    v = np.array([[2.0], [4.0], [8.0]])
+    with np.errstate(over="raise"):
+        a = merge.summarize(s[:2], v[:2])
+        b = merge.summarize(s[2:], v[2:])
+        ab = merge.merge(a, b)
+    assert ab.m == 1001.0
+    assert round(float(ab.l), 4) == 1.5032
+    assert round(float(ab.u[0]), 4) == 5.8184
+    assert round(float(ab.output()[0]), 4) == 3.8707
+    assert max_abs_err(ab.output(), direct(s, v)) < 1e-14
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scores_near_1e4_stay_finite(rng, dtype):
+    s = (1e4 + rng.standard_normal((3, 8))).astype(dtype)
+    s[1] = -s[1]
+    v = rng.standard_normal((8, 2)).astype(dtype)
+    with np.errstate(all="raise"):
+        out = merge.merge(merge.summarize(s[:, :3], v[:3]),
+                          merge.summarize(s[:, 3:], v[3:])).output()
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert max_abs_err(out, direct(s.astype(np.float64), v)) < tol
+
+
+def test_empty_block_is_the_identity(rng):
+    s = rng.standard_normal((4, 6))
+    v = rng.standard_normal((6, 3))
+    a = merge.summarize(s, v)
+    e = merge.empty((4,), 3, np.float64)
+    with np.errstate(all="raise"):  # no (-inf) - (-inf), no 0/0
+        for got in (merge.merge(a, e), merge.merge(e, a)):
+            assert np.array_equal(got.m, a.m)
+            assert np.array_equal(got.l, a.l)
+            assert np.array_equal(got.u, a.u)
+        none = merge.merge(e, merge.summarize(np.full((4, 2), -np.inf),
+                                              v[:2]))
+        assert np.all(none.output() == 0)
+        assert np.all(none.lse() == -np.inf)
+
+
+def test_partially_masked_block(rng):
+    s = rng.standard_normal((3, 5))
+    s[0, :4] = -np.inf  # row 0 sees only the last key
+    v = rng.standard_normal((5, 2))
+    with np.errstate(all="raise"):
+        out = merge.summarize(s, v).output()
+    assert np.allclose(out[0], v[4], rtol=0, atol=1e-15)
+    assert max_abs_err(out, direct(s, v)) < 1e-15
+
+
+blocks = st.lists(
+    st.lists(st.floats(-50, 50), min_size=0, max_size=5),
+    min_size=3, max_size=3,
+)
+
+
+def _summaries(lists, seed):
+    rng = np.random.default_rng(seed)
+    out = []
+    for scores in lists:
+        s = np.array(scores, dtype=np.float64).reshape(len(scores))
+        v = rng.standard_normal((len(scores), 2))
+        if len(scores) == 0:
+            out.append(merge.empty((), 2, np.float64))
+        else:
+            out.append(merge.summarize(s, v))
+    return out
+
+
+def _close(x, y):
+    """Same summary up to rounding: a few ulps of the larger numbers."""
+    assert np.array_equal(x.m, y.m)
+    for p, q in ((x.l, y.l), (x.u, y.u)):
+        tol = 1e-14 * max(1.0, float(np.max(np.abs(p))))
+        assert np.max(np.abs(p - q)) <= tol
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks, st.integers(0, 2**32 - 1))
+def test_merge_is_associative(lists, seed):
+    a, b, c = _summaries(lists, seed)
+    _close(merge.merge(merge.merge(a, b), c),
+           merge.merge(a, merge.merge(b, c)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(blocks, st.integers(0, 2**32 - 1))
+def test_merge_is_commutative(lists, seed):
+    a, b, _ = _summaries(lists, seed)
+    _close(merge.merge(a, b), merge.merge(b, a))
