@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Notebook kernels and tools must come from the venv, not the system.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: book test lint unit notebooks clean
+.PHONY: book test lint unit notebooks execute clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ notebooks: $(STAMP)
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks
 
 test: lint unit notebooks book
+
+# Re-run every chapter and store its outputs (after changing flashlab).
+execute: $(STAMP)
+	$(BIN)/jupyter execute --inplace --timeout=600 notebooks/*.ipynb
 
 clean:
 	rm -rf _build $(VENV)
