@@ -78,26 +78,3 @@ def check_block(name, value):
     if value < 1:
         raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
     return int(value)
-
-
-def check_mask(mask, batch_shape, nq, nk):
-    """Return a boolean mask broadcastable to (*batch_shape, Nq, Nk)."""
-    if mask is None:
-        return None
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_:
-        raise TypeError(
-            f"mask: expected a boolean array (True = may attend), got dtype "
-            f"{mask.dtype}"
-        )
-    target = (*batch_shape, nq, nk)
-    try:
-        shape = np.broadcast_shapes(mask.shape, target)
-    except ValueError:
-        shape = None
-    if shape != target:
-        raise ValueError(
-            f"mask: expected a shape broadcastable to {target}, got "
-            f"{mask.shape}"
-        )
-    return mask

@@ -1,56 +1,170 @@
-"""Which (query, key) pairs may attend: causal alignment and boolean masks.
+"""Which (query, key) pairs may attend: causal, window, padding, masks.
 
 Every backend asks this module, so the mask semantics live in one place.
+Query i may attend to key j when all of the given rules allow it:
+
+- causal: j <= i + offset, where offset is 0 for top-left alignment (as
+  torch's is_causal=True) and Nk - Nq for bottom-right alignment (the last
+  query sees the last key, as when decoding with a KV cache);
+- window=(left, right): i + offset - left <= j <= i + offset + right, with
+  the same offset (bottom-right only when causal="bottom_right"); None on
+  either side means unbounded;
+- kv_lengths: j < kv_lengths[b] for batch element b (key padding);
+- mask: mask[..., i, j] is True.
+See chapters 5 and 7.
 """
+
+import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
 
 
-def causal_offset(causal, nq, nk):
-    """Key offset of the causal diagonal, or None for no causal mask.
+class Rules(NamedTuple):
+    """The attention pattern of one call, in the form tiles ask about."""
 
-    Query i may see key j when j <= i + offset. Top-left alignment (offset
-    0) matches torch's is_causal=True; bottom-right aligns the last query
-    with the last key, as when decoding with a KV cache.
-    """
-    if causal is False or causal is None:
-        return None
-    if causal is True or causal == "top_left":
-        return 0
-    if causal == "bottom_right":
-        return nk - nq
-    raise ValueError(
-        f"causal: expected one of {CAUSAL_MODES}, got {causal!r}"
+    causal: bool
+    offset: int  # diagonal offset: 0 or Nk - Nq
+    window: tuple | None  # (left, right), either may be None
+    kv_lengths: np.ndarray | None  # (*batch, 1, 1) valid key counts
+    mask: np.ndarray | None  # boolean, broadcastable to (*batch, Nq, Nk)
+
+    def allowed(self, rows, cols):
+        """Boolean (..., len(rows), len(cols)) of allowed pairs, or None.
+
+        None means every pair of the tile is allowed (no mask work needed).
+        """
+        r = np.arange(rows.start, rows.stop)[:, None]  # (Br, 1)
+        c = np.arange(cols.start, cols.stop)[None, :]  # (1, Bc)
+        keep = None
+        if self.causal:
+            keep = _and(keep, c <= r + self.offset)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                keep = _and(keep, c >= r + self.offset - left)
+            if right is not None:
+                keep = _and(keep, c <= r + self.offset + right)
+        if self.kv_lengths is not None:
+            keep = _and(keep, c < self.kv_lengths)
+        if self.mask is not None:
+            m = self.mask
+            m = m[..., _span(rows, m.shape[-2]), :]
+            keep = _and(keep, m[..., _span(cols, m.shape[-1])])
+        return keep
+
+    def skips(self, rows, cols):
+        """True if no pair of the tile is allowed: its work can be skipped.
+
+        Decided from the tile's corners when only index rules apply, so a
+        skipped tile costs O(1) instead of O(Br Bc).
+        """
+        if self.mask is None and self.kv_lengths is None:
+            lo = rows.start + self.offset  # diagonal at the first row
+            hi = rows.stop - 1 + self.offset  # ... and at the last row
+            if self.causal and cols.start > hi:
+                return True
+            if self.window is not None:
+                left, right = self.window
+                if left is not None and cols.stop - 1 < lo - left:
+                    return True
+                if right is not None and cols.start > hi + right:
+                    return True
+            return False
+        keep = self.allowed(rows, cols)
+        return keep is not None and not keep.any()
+
+
+def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk):
+    """Validate the masking arguments of an attention call into `Rules`."""
+    if causal is None or causal is False:
+        is_causal, offset = False, 0
+    elif causal is True or causal == "top_left":
+        is_causal, offset = True, 0
+    elif causal == "bottom_right":
+        is_causal, offset = True, nk - nq
+    else:
+        raise ValueError(
+            f"causal: expected one of {CAUSAL_MODES}, got {causal!r}"
+        )
+    return Rules(
+        causal=is_causal,
+        offset=offset,
+        window=_check_window(window),
+        kv_lengths=_check_lengths(kv_lengths, batch_shape, nk),
+        mask=_check_mask(mask, batch_shape, nq, nk),
     )
 
 
-def allowed(rows, cols, offset, mask):
-    """Boolean (..., len(rows), len(cols)) of allowed pairs, or None if all.
-
-    rows, cols: ranges of query and key indices; offset from
-    causal_offset; mask broadcastable to (..., Nq, Nk) or None.
-    """
-    keep = None
-    if offset is not None:
-        r = np.asarray(rows)[:, None]
-        c = np.asarray(cols)[None, :]
-        keep = c <= r + offset  # (Br, Bc)
-    if mask is not None:
-        tile = mask[..., _index(rows, mask.shape[-2]), :]
-        tile = tile[..., _index(cols, mask.shape[-1])]
-        keep = tile if keep is None else keep & tile
-    return keep
+def _and(keep, extra):
+    return extra if keep is None else keep & extra
 
 
-def _index(span, size):
+def _span(span, size):
     """Index a mask axis of length `size` (1 = broadcast) by `span`."""
-    if size == 1:
-        return slice(None)
-    return slice(span.start, span.stop)
+    return slice(None) if size == 1 else slice(span.start, span.stop)
 
 
-def visits(keep):
-    """True if a tile has any allowed pair, so it must be computed."""
-    return keep is None or bool(keep.any())
+def _check_window(window):
+    if window is None:
+        return None
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        w is None or (isinstance(w, numbers.Integral)
+                      and not isinstance(w, bool) and w >= 0)
+        for w in window
+    )
+    if not ok:
+        raise ValueError(
+            "window: expected (left, right) with integers >= 0 or None, "
+            f"got {window!r}"
+        )
+    return tuple(None if w is None else int(w) for w in window)
+
+
+def _check_lengths(kv_lengths, batch_shape, nk):
+    if kv_lengths is None:
+        return None
+    lengths = np.asarray(kv_lengths)
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(
+            f"kv_lengths: expected integers, got dtype {lengths.dtype}"
+        )
+    try:
+        shape = np.broadcast_shapes(lengths.shape, batch_shape)
+    except ValueError:
+        shape = None
+    if shape != tuple(batch_shape):
+        raise ValueError(
+            f"kv_lengths: expected a shape broadcastable to the batch "
+            f"shape {tuple(batch_shape)}, got {lengths.shape}"
+        )
+    if lengths.size and (lengths.min() < 0 or lengths.max() > nk):
+        raise ValueError(
+            f"kv_lengths: expected values in [0, Nk={nk}], got "
+            f"{lengths.min()}..{lengths.max()}"
+        )
+    return lengths[..., None, None]  # (*batch, 1, 1) against (Br, Bc)
+
+
+def _check_mask(mask, batch_shape, nq, nk):
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(
+            f"mask: expected a boolean array (True = may attend), got dtype "
+            f"{mask.dtype}"
+        )
+    target = (*batch_shape, nq, nk)
+    try:
+        shape = np.broadcast_shapes(mask.shape, target)
+    except ValueError:
+        shape = None
+    if shape != target:
+        raise ValueError(
+            f"mask: expected a shape broadcastable to {target}, got "
+            f"{mask.shape}"
+        )
+    return mask.reshape((1,) * max(0, 2 - mask.ndim) + mask.shape)

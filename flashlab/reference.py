@@ -10,7 +10,7 @@ reference every test compares with.
 import numpy as np
 
 from flashlab import masks
-from flashlab._validate import check_mask, check_qkv, check_scale
+from flashlab._validate import check_qkv, check_scale
 
 
 def softmax(s):
@@ -21,29 +21,30 @@ def softmax(s):
     return e / np.where(total > 0, total, 1)
 
 
-def scores(q, k, *, scale=None, causal=False, mask=None):
+def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
+           kv_lengths=None):
     """Masked score matrix S (..., Nq, Nk); disallowed pairs are -inf."""
     q, k, _ = check_qkv(q, k, k)
     nq, nk = q.shape[-2], k.shape[-2]
     scale = check_scale(scale, q.shape[-1])
-    mask = check_mask(mask, q.shape[:-2], nq, nk)
+    rules = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
+                        nq, nk)
     s = scale * (q @ np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
-    keep = masks.allowed(
-        range(nq), range(nk), masks.causal_offset(causal, nq, nk), mask
-    )
+    keep = rules.allowed(range(nq), range(nk))
     if keep is not None:
         s = np.where(keep, s, -np.inf)
     return s
 
 
-def naive(q, k, v, *, scale=None, causal=False, mask=None,
-          return_lse=False):
+def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
+          kv_lengths=None, return_lse=False):
     """Materialized attention in the input dtype. q (..., Nq, d) -> O.
 
     Holds the full S and P (..., Nq, Nk). See chapter 1.
     """
     q, k, v = check_qkv(q, k, v)
-    s = scores(q, k, scale=scale, causal=causal, mask=mask)
+    s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
+               kv_lengths=kv_lengths)
     o = softmax(s) @ v  # (..., Nq, dv)
     if not return_lse:
         return o
@@ -55,8 +56,8 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None,
     return o, lse.astype(o.dtype)
 
 
-def attention(q, k, v, *, scale=None, causal=False, mask=None,
-              return_lse=False):
+def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,
+              kv_lengths=None, return_lse=False):
     """Ground truth: materialized attention computed in float64."""
     q, k, v = check_qkv(q, k, v)
     return naive(
@@ -66,5 +67,7 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None,
         scale=scale,
         causal=causal,
         mask=mask,
+        window=window,
+        kv_lengths=kv_lengths,
         return_lse=return_lse,
     )

@@ -1,9 +1,17 @@
-"""Tiled attention in the FlashAttention-2 order, one score tile at a time.
+"""Tiled exact attention: one score tile at a time, in either loop order.
 
-Query blocks Q_i (Br rows) form the outer loop; each streams every K/V
-block (Bc rows) past its running row summaries and divides once at the
-end. No more than one (..., Br, Bc) score tile exists at any moment. The
-rescaling of the running state is `flashlab.merge.merge`. See chapter 5.
+- order="fa2" (default), FlashAttention-2: query blocks Q_i (Br rows) are
+  the outer loop; each streams every K/V block (Bc rows) past running row
+  summaries held on chip and divides once at the end.
+- order="fa1", FlashAttention-1 (Algorithm 1 of the original paper): K/V
+  blocks are the outer loop; for each one, every query block reloads its
+  normalized output O_i and its statistics m_i, l_i from slow memory,
+  updates them and writes them back.
+
+No more than one (..., Br, Bc) score tile exists at any moment. The
+rescaling is `flashlab.merge.merge` in both orders. The loops touch q, k,
+v, o and the statistics only through slices, so `flashlab.io` can run
+these very loops on arrays that count their traffic. See chapters 5, 6.
 """
 
 from typing import NamedTuple
@@ -11,7 +19,9 @@ from typing import NamedTuple
 import numpy as np
 
 from flashlab import masks, merge
-from flashlab._validate import check_block, check_mask, check_qkv, check_scale
+from flashlab._validate import check_block, check_qkv, check_scale
+
+ORDERS = ("fa2", "fa1")
 
 
 class Tile(NamedTuple):
@@ -24,56 +34,140 @@ class Tile(NamedTuple):
     after: merge.Summary  # ... and after merging it in
 
 
+class Plan(NamedTuple):
+    """Everything a loop needs besides the arrays."""
+
+    nq: int
+    nk: int
+    block_q: int
+    block_k: int
+    scale: float
+    rules: masks.Rules
+
+
 def attention(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-              mask=None, return_lse=False):
+              mask=None, window=None, kv_lengths=None, return_lse=False,
+              order="fa2"):
     """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Returns o (..., Nq, dv), and lse (..., Nq) if return_lse. Rows with no
-    allowed key give 0 and lse = -inf.
+    allowed key give 0 and lse = -inf. Masking rules: `flashlab.masks`.
     """
-    o, lse = _run(q, k, v, block_q, block_k, scale, causal, mask, None)
+    o, lse = _run(q, k, v, block_q, block_k, scale, causal, mask, window,
+                  kv_lengths, order, None)
     return (o, lse) if return_lse else o
 
 
 def trace(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-          mask=None):
+          mask=None, window=None, kv_lengths=None, order="fa2"):
     """Every tile the loop visits, in order, as a list of `Tile`."""
     tiles = []
-    _run(q, k, v, block_q, block_k, scale, causal, mask, tiles.append)
+    _run(q, k, v, block_q, block_k, scale, causal, mask, window, kv_lengths,
+         order, tiles.append)
     return tiles
 
 
-def _run(q, k, v, block_q, block_k, scale, causal, mask, on_tile):
-    """The FA2 loop; calls on_tile(Tile) for each visited tile if given."""
+def plan(q, k, v, block_q, block_k, scale, causal, mask, window,
+         kv_lengths):
+    """Validate the arguments; return arrays and the `Plan` of the loops."""
     q, k, v = check_qkv(q, k, v)
-    block_q = check_block("block_q", block_q)
-    block_k = check_block("block_k", block_k)
-    batch, (nq, d), (nk, dv) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
-    scale = check_scale(scale, d)
-    mask = check_mask(mask, batch, nq, nk)
-    offset = masks.causal_offset(causal, nq, nk)
-    dtype = q.dtype
-    kt = np.swapaxes(k, -1, -2)  # (..., d, Nk)
+    nq, nk = q.shape[-2], k.shape[-2]
+    rules = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
+                        nq, nk)
+    return q, k, v, Plan(
+        nq=nq,
+        nk=nk,
+        block_q=check_block("block_q", block_q),
+        block_k=check_block("block_k", block_k),
+        scale=check_scale(scale, q.shape[-1]),
+        rules=rules,
+    )
 
-    o = np.empty((*batch, nq, dv), dtype=dtype)
-    lse = np.empty((*batch, nq), dtype=dtype)
-    for i0 in range(0, nq, block_q):
-        rows = range(i0, min(i0 + block_q, nq))
-        q_i = q[..., i0:rows.stop, :] * dtype.type(scale)  # (..., Br, d)
-        state = merge.empty((*batch, len(rows)), dv, dtype)
-        for j0 in range(0, nk, block_k):
-            cols = range(j0, min(j0 + block_k, nk))
-            keep = masks.allowed(rows, cols, offset, mask)
-            if not masks.visits(keep):
-                continue  # no allowed pair in this tile: skip its work
-            s_ij = q_i @ kt[..., j0:cols.stop]  # (..., Br, Bc)
-            if keep is not None:
-                s_ij = np.where(keep, s_ij, -np.inf)
-            v_j = v[..., j0:cols.stop, :]  # (..., Bc, dv)
+
+def _run(q, k, v, block_q, block_k, scale, causal, mask, window, kv_lengths,
+         order, on_tile):
+    if order not in ORDERS:
+        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
+    q, k, v, p = plan(q, k, v, block_q, block_k, scale, causal, mask,
+                      window, kv_lengths)
+    rows = (*q.shape[:-2], p.nq)
+    o = np.empty((*rows, v.shape[-1]), dtype=q.dtype)
+    if order == "fa2":
+        lse = np.empty(rows, dtype=q.dtype)
+        forward_fa2(q, k, v, o, lse, p, on_tile)
+        return o, lse
+    m = np.empty(rows, dtype=q.dtype)
+    l = np.empty(rows, dtype=q.dtype)
+    forward_fa1(q, k, v, o, l, m, p, on_tile)
+    return o, merge.Summary(m, l, o).lse()
+
+
+def _blocks(n, size):
+    """Consecutive ranges of `size` indices covering 0..n; the last ragged."""
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _scores(q_i, k_j, rows, cols, p):
+    """S_ij = tau Q_i K_j^T (..., Br, Bc), with masked pairs at -inf."""
+    s_ij = q_i @ np.swapaxes(k_j, -1, -2)  # (..., Br, Bc)
+    keep = p.rules.allowed(rows, cols)
+    return s_ij if keep is None else np.where(keep, s_ij, -np.inf)
+
+
+def _load_kv(k, v, cols):
+    """K_j (..., Bc, d) and V_j (..., Bc, dv): HBM -> chip."""
+    return k[..., cols.start:cols.stop, :], v[..., cols.start:cols.stop, :]
+
+
+def _load_q(q, rows, p):
+    """Q_i scaled by tau (..., Br, d): scaling Q once saves a pass over S."""
+    return q[..., rows.start:rows.stop, :] * q.dtype.type(p.scale)
+
+
+def forward_fa2(q, k, v, o, lse, p, on_tile=None):
+    """FlashAttention-2 order: query blocks outer, K/V blocks inner."""
+    dv = v.shape[-1]
+    for rows in _blocks(p.nq, p.block_q):
+        q_i = _load_q(q, rows, p)  # HBM -> chip once per query block
+        state = merge.empty((*q_i.shape[:-2], len(rows)), dv, q.dtype)
+        for cols in _blocks(p.nk, p.block_k):
+            if p.rules.skips(rows, cols):
+                continue  # no allowed pair: no loads, no arithmetic
+            k_j, v_j = _load_kv(k, v, cols)  # reloaded for every Q_i
+            s_ij = _scores(q_i, k_j, rows, cols, p)
             before = state
             state = merge.merge(state, merge.summarize(s_ij, v_j))
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
-        o[..., i0:rows.stop, :] = state.output()  # the one division
-        lse[..., i0:rows.stop] = state.lse()
-    return o, lse
+        o[..., rows.start:rows.stop, :] = state.output()  # one division
+        lse[..., rows.start:rows.stop] = state.lse()
+
+
+def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
+    """FlashAttention-1 order: K/V blocks outer, query blocks inner.
+
+    o, l, m live in slow memory between visits: o is kept normalized
+    (O = u / l), as in Algorithm 1 of the original paper.
+    """
+    o[...] = 0  # Algorithm 1 initializes O, l and m in HBM
+    l[...] = 0
+    m[...] = -np.inf
+    for cols in _blocks(p.nk, p.block_k):
+        kv_j = None  # K_j, V_j: loaded once, kept on chip for all Q_i
+        for rows in _blocks(p.nq, p.block_q):
+            if p.rules.skips(rows, cols):
+                continue
+            if kv_j is None:
+                kv_j = _load_kv(k, v, cols)
+            k_j, v_j = kv_j
+            r = slice(rows.start, rows.stop)
+            q_i = _load_q(q, rows, p)  # reloaded for every K/V block
+            s_ij = _scores(q_i, k_j, rows, cols, p)
+            l_i, m_i = l[..., r], m[..., r]  # HBM -> chip
+            before = merge.Summary(m_i, l_i, l_i[..., None] * o[..., r, :])
+            state = merge.merge(before, merge.summarize(s_ij, v_j))
+            o[..., r, :] = state.output()  # chip -> HBM, normalized
+            l[..., r] = state.l
+            m[..., r] = state.m
+            if on_tile is not None:
+                on_tile(Tile(rows, cols, s_ij, before, state))

@@ -14,8 +14,9 @@ def qkv(rng, batch, nq, nk, d, dv, dtype=np.float64, spread=1.0):
 
 
 def max_abs_err(x, ref):
-    """Largest elementwise |x - ref|, computed in float64."""
-    return float(np.max(np.abs(np.asarray(x, np.float64) - ref)))
+    """Largest elementwise |x - ref|, computed in float64 (0 if empty)."""
+    diff = np.abs(np.asarray(x, np.float64) - ref)
+    return float(diff.max()) if diff.size else 0.0
 
 
 def float32_budget(err_naive, ref):

@@ -18,13 +18,14 @@ def random_case(rng):
     return batch, nq, nk, d, dv, bq, bk
 
 
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("trial", range(5))
-def test_float64_matches_reference(rng, causal, trial):
+def test_float64_matches_reference(rng, causal, trial, order):
     batch, nq, nk, d, dv, bq, bk = random_case(rng)
     q, k, v = qkv(rng, batch, nq, nk, d, dv)
     o, lse = tiled.attention(q, k, v, block_q=bq, block_k=bk, causal=causal,
-                             return_lse=True)
+                             return_lse=True, order=order)
     o_ref, lse_ref = reference.attention(q, k, v, causal=causal,
                                          return_lse=True)
     assert o.dtype == np.float64
@@ -34,12 +35,14 @@ def test_float64_matches_reference(rng, causal, trial):
     assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-12
 
 
+@pytest.mark.parametrize("order", ["fa2", "fa1"])
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("trial", range(3))
-def test_float32_within_twice_naive_error(rng, causal, trial):
+def test_float32_within_twice_naive_error(rng, causal, trial, order):
     batch, nq, nk, d, dv, bq, bk = random_case(rng)
     q, k, v = qkv(rng, batch, nq, nk, d, dv, dtype=np.float32, spread=2.0)
-    o = tiled.attention(q, k, v, block_q=bq, block_k=bk, causal=causal)
+    o = tiled.attention(q, k, v, block_q=bq, block_k=bk, causal=causal,
+                        order=order)
     o_ref = reference.attention(q, k, v, causal=causal)
     err_naive = max_abs_err(reference.naive(q, k, v, causal=causal), o_ref)
     assert o.dtype == np.float32
@@ -134,6 +137,12 @@ BAD = [
     (dict(causal="diagonal"), ValueError, "causal"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(scale="1"), TypeError, "scale"),
+    (dict(window=(2,)), ValueError, "window"),
+    (dict(window=(-1, 2)), ValueError, "window"),
+    (dict(kv_lengths=np.array([2.0])), TypeError, "kv_lengths"),
+    (dict(kv_lengths=np.array([6])), ValueError, "kv_lengths"),
+    (dict(kv_lengths=np.array([1, 2])), ValueError, "kv_lengths"),
+    (dict(order="fa3"), ValueError, "order"),
 ]
 
 
@@ -144,6 +153,6 @@ def test_bad_input_names_the_argument(change, error, message):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(error, match=message):
         tiled.attention(q, k, v, **args)
-    if not {"block_q", "block_k"} & set(args):
+    if not {"block_q", "block_k", "order"} & set(args):
         with pytest.raises(error, match=message):
             reference.attention(q, k, v, **args)

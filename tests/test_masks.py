@@ -1,0 +1,113 @@
+"""Masking rules: windows, key padding, and which tiles are skipped."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashlab import masks, reference, tiled
+from helpers import max_abs_err, qkv
+
+
+def explicit(nq, nk, causal, window):
+    """The allowed matrix built from the definitions, pair by pair."""
+    offset = nk - nq if causal == "bottom_right" else 0
+    keep = np.ones((nq, nk), dtype=bool)
+    for i in range(nq):
+        for j in range(nk):
+            if causal and j > i + offset:
+                keep[i, j] = False
+            if window is not None:
+                left, right = window
+                if left is not None and j < i + offset - left:
+                    keep[i, j] = False
+                if right is not None and j > i + offset + right:
+                    keep[i, j] = False
+    return keep
+
+
+windows = st.one_of(
+    st.none(),
+    st.tuples(st.one_of(st.none(), st.integers(0, 20)),
+              st.one_of(st.none(), st.integers(0, 20))),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(nq=st.integers(1, 40), nk=st.integers(1, 40),
+       causal=st.sampled_from([False, True, "bottom_right"]),
+       window=windows, bq=st.integers(1, 45), bk=st.integers(1, 45),
+       seed=st.integers(0, 2**32 - 1))
+def test_patterns_match_definition_and_skip_only_empty_tiles(
+        nq, nk, causal, window, bq, bk, seed):
+    rules = masks.rules(causal, window, None, None, (), nq, nk)
+    keep = rules.allowed(range(nq), range(nk))
+    want = explicit(nq, nk, causal, window)
+    assert np.array_equal(np.ones_like(want) if keep is None else keep, want)
+    for i0 in range(0, nq, bq):
+        for j0 in range(0, nk, bk):
+            rows = range(i0, min(i0 + bq, nq))
+            cols = range(j0, min(j0 + bk, nk))
+            empty = not want[i0:rows.stop, j0:cols.stop].any()
+            assert rules.skips(rows, cols) == empty
+    # and the tiled result is the masked reference
+    rng = np.random.default_rng(seed)
+    q, k, v = qkv(rng, (), nq, nk, 3, 2)
+    o = tiled.attention(q, k, v, block_q=bq, block_k=bk, causal=causal,
+                        window=window)
+    mask_ref = reference.attention(q, k, v, mask=want)
+    assert max_abs_err(o, mask_ref) < 1e-12
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), nq=st.integers(1, 30), nk=st.integers(1, 30),
+       density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),
+       bq=st.integers(1, 33), bk=st.integers(1, 33))
+def test_random_boolean_masks(batch, nq, nk, density, seed, bq, bk):
+    rng = np.random.default_rng(seed)
+    q, k, v = qkv(rng, (batch,), nq, nk, 4, 3)
+    mask = rng.random((batch, nq, nk)) < density
+    with np.errstate(all="raise"):
+        o, lse = tiled.attention(q, k, v, block_q=bq, block_k=bk, mask=mask,
+                                 return_lse=True)
+    o_ref, lse_ref = reference.attention(q, k, v, mask=mask, return_lse=True)
+    assert max_abs_err(o, o_ref) < 1e-12
+    empty = ~mask.any(axis=-1)
+    assert np.all(o[empty] == 0) and np.all(lse[empty] == -np.inf)
+    assert max_abs_err(lse[~empty], lse_ref[~empty]) < 1e-12
+
+
+def test_key_padding_equals_truncated_keys(rng):
+    q, k, v = qkv(rng, (3, 2), 11, 17, 5, 4)
+    lengths = np.array([17, 9, 0])[:, None]  # per sequence, all heads
+    o = tiled.attention(q, k, v, block_q=4, block_k=5, kv_lengths=lengths)
+    for b, n in enumerate([17, 9, 0]):
+        if n == 0:
+            assert np.all(o[b] == 0)
+            continue
+        want = reference.attention(q[b], k[b, :, :n], v[b, :, :n])
+        assert max_abs_err(o[b], want) < 1e-12
+
+
+def test_padding_skips_tiles_past_the_longest_sequence(rng):
+    q, k, v = qkv(rng, (2,), 32, 64, 4, 4)
+    lengths = np.array([20, 30])
+    steps = tiled.trace(q, k, v, block_q=16, block_k=16, kv_lengths=lengths)
+    assert {t.cols.start for t in steps} == {0, 16}  # keys 32.. never read
+
+
+@pytest.mark.parametrize("n, blk", [(1024, 64), (1000, 64), (512, 128)])
+def test_causal_visits_about_half_the_tiles(rng, n, blk):
+    x = rng.standard_normal((n, 4))
+    t = n // blk + (n % blk > 0)
+    visited = len(tiled.trace(x, x, x, block_q=blk, block_k=blk,
+                              causal=True))
+    assert visited == t * (t + 1) // 2  # the diagonal and below
+
+
+def test_sliding_window_visits_a_band(rng):
+    x = rng.standard_normal((256, 4))
+    steps = tiled.trace(x, x, x, block_q=32, block_k=32, causal=True,
+                        window=(32, 0))
+    assert all(0 <= t.rows.start - t.cols.start <= 32 for t in steps)
+    assert len(steps) == 8 + 7  # diagonal tiles and one band below
