@@ -21,6 +21,15 @@ def softmax(s):
     return e / np.where(total > 0, total, 1)
 
 
+def logsumexp(s):
+    """Row log-sum-exp of scores s (..., Nk); -inf for rows with no key."""
+    m = s.max(axis=-1)
+    safe = np.where(np.isneginf(m), 0, m)
+    total = np.exp(s - safe[..., None]).sum(axis=-1)
+    with np.errstate(divide="ignore"):  # log(0) = -inf for empty rows
+        return safe + np.log(total)
+
+
 def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
            kv_lengths=None):
     """Masked score matrix S (..., Nq, Nk); disallowed pairs are -inf."""
@@ -46,14 +55,7 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
     s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
                kv_lengths=kv_lengths)
     o = softmax(s) @ v  # (..., Nq, dv)
-    if not return_lse:
-        return o
-    m = s.max(axis=-1)
-    safe_m = np.where(np.isneginf(m), 0, m)
-    total = np.exp(s - safe_m[..., None]).sum(axis=-1)
-    with np.errstate(divide="ignore"):  # log(0) = -inf for empty rows
-        lse = safe_m + np.log(total)
-    return o, lse.astype(o.dtype)
+    return (o, logsumexp(s)) if return_lse else o
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,

@@ -102,45 +102,51 @@ def _run(q, k, v, block_q, block_k, scale, causal, mask, window, kv_lengths,
     return o, merge.Summary(m, l, o).lse()
 
 
-def _blocks(n, size):
+def blocks(n, size):
     """Consecutive ranges of `size` indices covering 0..n; the last ragged."""
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def _scores(q_i, k_j, rows, cols, p):
+def score_tile(q_i, k_j, rows, cols, p):
     """S_ij = tau Q_i K_j^T (..., Br, Bc), with masked pairs at -inf."""
     s_ij = q_i @ np.swapaxes(k_j, -1, -2)  # (..., Br, Bc)
     keep = p.rules.allowed(rows, cols)
     return s_ij if keep is None else np.where(keep, s_ij, -np.inf)
 
 
-def _load_kv(k, v, cols):
-    """K_j (..., Bc, d) and V_j (..., Bc, dv): HBM -> chip."""
-    return k[..., cols.start:cols.stop, :], v[..., cols.start:cols.stop, :]
+def load_kv(k, v, cols):
+    """K_j (..., Bc, d) and V_j (..., Bc, dv): HBM -> chip. None skips one."""
+    span = slice(cols.start, cols.stop)
+    return (None if k is None else k[..., span, :],
+            None if v is None else v[..., span, :])
 
 
-def _load_q(q, rows, p):
+def load_q(q, rows, p):
     """Q_i scaled by tau (..., Br, d): scaling Q once saves a pass over S."""
     return q[..., rows.start:rows.stop, :] * q.dtype.type(p.scale)
 
 
 def forward_fa2(q, k, v, o, lse, p, on_tile=None):
-    """FlashAttention-2 order: query blocks outer, K/V blocks inner."""
+    """FlashAttention-2 order: query blocks outer, K/V blocks inner.
+
+    lse may be None when the statistics are not needed (inference).
+    """
     dv = v.shape[-1]
-    for rows in _blocks(p.nq, p.block_q):
-        q_i = _load_q(q, rows, p)  # HBM -> chip once per query block
+    for rows in blocks(p.nq, p.block_q):
+        q_i = load_q(q, rows, p)  # HBM -> chip once per query block
         state = merge.empty((*q_i.shape[:-2], len(rows)), dv, q.dtype)
-        for cols in _blocks(p.nk, p.block_k):
+        for cols in blocks(p.nk, p.block_k):
             if p.rules.skips(rows, cols):
                 continue  # no allowed pair: no loads, no arithmetic
-            k_j, v_j = _load_kv(k, v, cols)  # reloaded for every Q_i
-            s_ij = _scores(q_i, k_j, rows, cols, p)
+            k_j, v_j = load_kv(k, v, cols)  # reloaded for every Q_i
+            s_ij = score_tile(q_i, k_j, rows, cols, p)
             before = state
             state = merge.merge(state, merge.summarize(s_ij, v_j))
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
         o[..., rows.start:rows.stop, :] = state.output()  # one division
-        lse[..., rows.start:rows.stop] = state.lse()
+        if lse is not None:  # kept for the backward pass
+            lse[..., rows.start:rows.stop] = state.lse()
 
 
 def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
@@ -152,17 +158,17 @@ def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
     o[...] = 0  # Algorithm 1 initializes O, l and m in HBM
     l[...] = 0
     m[...] = -np.inf
-    for cols in _blocks(p.nk, p.block_k):
+    for cols in blocks(p.nk, p.block_k):
         kv_j = None  # K_j, V_j: loaded once, kept on chip for all Q_i
-        for rows in _blocks(p.nq, p.block_q):
+        for rows in blocks(p.nq, p.block_q):
             if p.rules.skips(rows, cols):
                 continue
             if kv_j is None:
-                kv_j = _load_kv(k, v, cols)
+                kv_j = load_kv(k, v, cols)
             k_j, v_j = kv_j
             r = slice(rows.start, rows.stop)
-            q_i = _load_q(q, rows, p)  # reloaded for every K/V block
-            s_ij = _scores(q_i, k_j, rows, cols, p)
+            q_i = load_q(q, rows, p)  # reloaded for every K/V block
+            s_ij = score_tile(q_i, k_j, rows, cols, p)
             l_i, m_i = l[..., r], m[..., r]  # HBM -> chip
             before = merge.Summary(m_i, l_i, l_i[..., None] * o[..., r, :])
             state = merge.merge(before, merge.summarize(s_ij, v_j))
