@@ -17,8 +17,9 @@ from flashlab.tiled import blocks, load_kv, load_q, score_tile
 def attention(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
               mask=None, window=None, kv_lengths=None, return_lse=False):
     """Three-kernel materialized attention; same arguments as tiled."""
-    q, k, v, p = tiled.plan(q, k, v, block_q, block_k, scale, causal, mask,
-                            window, kv_lengths)
+    q, k, v, p = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
+                            scale=scale, causal=causal, mask=mask,
+                            window=window, kv_lengths=kv_lengths)
     rows = (*q.shape[:-2], p.nq)
     s = np.empty((*rows, p.nk), dtype=q.dtype)  # (..., Nq, Nk) in HBM
     prob = np.empty_like(s)  # (..., Nq, Nk) in HBM

@@ -85,8 +85,8 @@ def ledger(schedule, n, d, dv=None, *, block_q, block_k, causal=False,
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(shape)
                for shape in ((n, d), (n, d), (n, dv)))
-    q, k, v, plan = tiled.plan(q, k, v, block_q, block_k, None, causal,
-                               None, None, None)
+    q, k, v, plan = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
+                               causal=causal)
     book = _empty_ledger()
 
     def hbm(name, shape, fill=np.nan):

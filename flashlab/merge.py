@@ -50,17 +50,20 @@ def empty(rows_shape, dv, dtype):
     )
 
 
-def summarize(scores, values):
+def summarize(scores, values, weights=None):
     """Summary of one block: scores (..., C), values (..., C, dv).
 
-    Masked keys carry score -inf and contribute nothing.
+    Masked keys carry score -inf and contribute nothing. weights (..., C),
+    if given, multiply the terms of the numerator only: dropout removes a
+    key from the weighted sum of values but not from the softmax
+    denominator.
     """
     scores = np.asarray(scores)
     values = np.asarray(values)
     m = scores.max(axis=-1)  # (...,)
     p = np.exp(scores - _finite(m)[..., None])  # (..., C), all <= 1
     l = p.sum(axis=-1)
-    u = _rows_times(p, values)  # (..., dv)
+    u = _rows_times(p if weights is None else p * weights, values)
     return Summary(m, l, u)
 
 
@@ -74,6 +77,14 @@ def merge(a, b):
         l=alpha * a.l + beta * b.l,
         u=alpha[..., None] * a.u + beta[..., None] * b.u,
     )
+
+
+def probabilities(scores, lse):
+    """P = exp(S - lse) (..., R, C) recomputed from the saved row lse (..., R).
+
+    Rows that saw no key (lse = -inf) have only -inf scores and give 0.
+    """
+    return np.exp(scores - _finite(lse)[..., None])
 
 
 def rescale(m_old, m_new):

@@ -9,7 +9,7 @@ reference every test compares with.
 
 import numpy as np
 
-from flashlab import masks
+from flashlab import dropout, masks
 from flashlab._validate import check_qkv, check_scale
 
 
@@ -46,7 +46,8 @@ def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
 
 
 def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
-          kv_lengths=None, return_lse=False):
+          kv_lengths=None, dropout_p=0.0, seed=None, dropout_mask=None,
+          return_lse=False):
     """Materialized attention in the input dtype. q (..., Nq, d) -> O.
 
     Holds the full S and P (..., Nq, Nk). See chapter 1.
@@ -54,13 +55,24 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
     q, k, v = check_qkv(q, k, v)
     s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
                kv_lengths=kv_lengths)
-    o = softmax(s) @ v  # (..., Nq, dv)
+    p = softmax(s)  # (..., Nq, Nk)
+    if dropout_p:
+        keep = dropout_mask
+        if keep is None:
+            keep = dropout.keep_mask(dropout_p, seed, s.shape)
+        p = np.where(keep, p / (1 - dropout_p), 0)
+    o = p @ v  # (..., Nq, dv)
     return (o, logsumexp(s)) if return_lse else o
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,
-              kv_lengths=None, return_lse=False):
-    """Ground truth: materialized attention computed in float64."""
+              kv_lengths=None, dropout_p=0.0, seed=None, dropout_mask=None,
+              return_lse=False):
+    """Ground truth: materialized attention computed in float64.
+
+    dropout_mask, if given, is the boolean keep mask (..., Nq, Nk) to use
+    instead of the one `flashlab.dropout` derives from the seed.
+    """
     q, k, v = check_qkv(q, k, v)
     return naive(
         q.astype(np.float64),
@@ -71,5 +83,8 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,
         mask=mask,
         window=window,
         kv_lengths=kv_lengths,
+        dropout_p=dropout_p,
+        seed=seed,
+        dropout_mask=dropout_mask,
         return_lse=return_lse,
     )

@@ -18,8 +18,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashlab import masks, merge
-from flashlab._validate import check_block, check_qkv, check_scale
+from flashlab import dropout, masks, merge
+from flashlab._validate import (
+    as_float_array,
+    check_block,
+    check_qkv,
+    check_scale,
+)
 
 ORDERS = ("fa2", "fa1")
 
@@ -43,53 +48,55 @@ class Plan(NamedTuple):
     block_k: int
     scale: float
     rules: masks.Rules
+    dropout: dropout.Dropout | None
 
 
 def attention(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-              mask=None, window=None, kv_lengths=None, return_lse=False,
-              order="fa2"):
+              mask=None, window=None, kv_lengths=None, dropout_p=0.0,
+              seed=None, return_lse=False, order="fa2"):
     """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Returns o (..., Nq, dv), and lse (..., Nq) if return_lse. Rows with no
-    allowed key give 0 and lse = -inf. Masking rules: `flashlab.masks`.
+    allowed key give 0 and lse = -inf. Masking rules: `flashlab.masks`;
+    dropout (with an integer seed): `flashlab.dropout`.
     """
-    o, lse = _run(q, k, v, block_q, block_k, scale, causal, mask, window,
-                  kv_lengths, order, None)
+    o, lse = _run(q, k, v, order, None, block_q=block_q, block_k=block_k,
+                  scale=scale, causal=causal, mask=mask, window=window,
+                  kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed)
     return (o, lse) if return_lse else o
 
 
-def trace(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-          mask=None, window=None, kv_lengths=None, order="fa2"):
-    """Every tile the loop visits, in order, as a list of `Tile`."""
+def trace(q, k, v, *, order="fa2", **options):
+    """Every tile the loop visits, in order, as a list of `Tile`.
+
+    Takes the keyword options of `attention`.
+    """
     tiles = []
-    _run(q, k, v, block_q, block_k, scale, causal, mask, window, kv_lengths,
-         order, tiles.append)
+    _run(q, k, v, order, tiles.append, **options)
     return tiles
 
 
-def plan(q, k, v, block_q, block_k, scale, causal, mask, window,
-         kv_lengths):
+def plan(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
+         mask=None, window=None, kv_lengths=None, dropout_p=0.0, seed=None):
     """Validate the arguments; return arrays and the `Plan` of the loops."""
     q, k, v = check_qkv(q, k, v)
     nq, nk = q.shape[-2], k.shape[-2]
-    rules = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
-                        nq, nk)
+    batch = q.shape[:-2]
     return q, k, v, Plan(
         nq=nq,
         nk=nk,
         block_q=check_block("block_q", block_q),
         block_k=check_block("block_k", block_k),
         scale=check_scale(scale, q.shape[-1]),
-        rules=rules,
+        rules=masks.rules(causal, window, kv_lengths, mask, batch, nq, nk),
+        dropout=dropout.make(dropout_p, seed, batch),
     )
 
 
-def _run(q, k, v, block_q, block_k, scale, causal, mask, window, kv_lengths,
-         order, on_tile):
+def _run(q, k, v, order, on_tile, **options):
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
-    q, k, v, p = plan(q, k, v, block_q, block_k, scale, causal, mask,
-                      window, kv_lengths)
+    q, k, v, p = plan(q, k, v, **options)
     rows = (*q.shape[:-2], p.nq)
     o = np.empty((*rows, v.shape[-1]), dtype=q.dtype)
     if order == "fa2":
@@ -121,6 +128,14 @@ def load_kv(k, v, cols):
             None if v is None else v[..., span, :])
 
 
+def summarize_tile(s_ij, v_j, rows, cols, p):
+    """The tile's row summaries, with dropout applied to the numerator."""
+    weights = None
+    if p.dropout is not None:
+        weights = p.dropout.weights(rows, cols, s_ij.dtype)
+    return merge.summarize(s_ij, v_j, weights)
+
+
 def load_q(q, rows, p):
     """Q_i scaled by tau (..., Br, d): scaling Q once saves a pass over S."""
     return q[..., rows.start:rows.stop, :] * q.dtype.type(p.scale)
@@ -141,7 +156,8 @@ def forward_fa2(q, k, v, o, lse, p, on_tile=None):
             k_j, v_j = load_kv(k, v, cols)  # reloaded for every Q_i
             s_ij = score_tile(q_i, k_j, rows, cols, p)
             before = state
-            state = merge.merge(state, merge.summarize(s_ij, v_j))
+            state = merge.merge(state, summarize_tile(s_ij, v_j, rows,
+                                                      cols, p))
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
         o[..., rows.start:rows.stop, :] = state.output()  # one division
@@ -171,9 +187,74 @@ def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
             s_ij = score_tile(q_i, k_j, rows, cols, p)
             l_i, m_i = l[..., r], m[..., r]  # HBM -> chip
             before = merge.Summary(m_i, l_i, l_i[..., None] * o[..., r, :])
-            state = merge.merge(before, merge.summarize(s_ij, v_j))
+            state = merge.merge(before, summarize_tile(s_ij, v_j, rows,
+                                                       cols, p))
             o[..., r, :] = state.output()  # chip -> HBM, normalized
             l[..., r] = state.l
             m[..., r] = state.m
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
+
+
+def attention_backward(q, k, v, o, lse, do, **options):
+    """Gradients (dq, dk, dv) of attention, recomputing tiles. See chapter 8.
+
+    Needs only the forward's output o (..., Nq, dv) and row log-sum-exp lse
+    (..., Nq), plus the upstream gradient do (..., Nq, dv); takes the same
+    keyword options as `attention` (dropout with the same seed).
+    """
+    q, k, v, p = plan(q, k, v, **options)
+    o, lse, do = _check_saved(q, v, o, lse, do)
+    dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
+    backward(q, k, v, o, lse, do, dq, dk, dv, p)
+    return dq, dk, dv
+
+
+def backward(q, k, v, o, lse, do, dq, dk, dv, p):
+    """FlashAttention-2 backward: K/V blocks outer, query blocks inner.
+
+    dK_j, dV_j accumulate on chip; dQ_i accumulates in slow memory.
+    """
+    delta = (do * o).sum(axis=-1)  # D_i = rowsum(dO * O) (..., Nq)
+    for cols in blocks(p.nk, p.block_k):
+        k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, dv)
+        dk_j = np.zeros_like(k_j)
+        dv_j = np.zeros_like(v_j)
+        for rows in blocks(p.nq, p.block_q):
+            if p.rules.skips(rows, cols):
+                continue
+            r = slice(rows.start, rows.stop)
+            q_i = load_q(q, rows, p)  # tau Q_i (..., Br, d)
+            s_ij = score_tile(q_i, k_j, rows, cols, p)  # recomputed
+            p_ij = merge.probabilities(s_ij, lse[..., r])  # (..., Br, Bc)
+            dp_ij = do[..., r, :] @ np.swapaxes(v_j, -1, -2)  # (..., Br, Bc)
+            pz_ij = p_ij
+            if p.dropout is not None:  # same decisions as the forward
+                z = p.dropout.weights(rows, cols, p_ij.dtype)
+                pz_ij = p_ij * z
+                dp_ij = dp_ij * z
+            dv_j += np.swapaxes(pz_ij, -1, -2) @ do[..., r, :]
+            ds_ij = p_ij * (dp_ij - delta[..., r, None])  # dS = P(dP - D)
+            dq[..., r, :] += q.dtype.type(p.scale) * (ds_ij @ k_j)
+            dk_j += np.swapaxes(ds_ij, -1, -2) @ q_i  # tau already in q_i
+        dk[..., cols.start:cols.stop, :] = dk_j
+        dv[..., cols.start:cols.stop, :] = dv_j
+
+
+def _check_saved(q, v, o, lse, do):
+    """Validate o, lse and do against q and v."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    checked = []
+    for name, x, shape in (("o", o, out_shape), ("lse", lse, q.shape[:-1]),
+                           ("do", do, out_shape)):
+        x = as_float_array(name, x)
+        if x.shape != shape:
+            raise ValueError(
+                f"{name}: expected shape {shape}, got {x.shape}"
+            )
+        if x.dtype != q.dtype:
+            raise TypeError(
+                f"{name}: expected dtype {q.dtype} to match q, got {x.dtype}"
+            )
+        checked.append(x)
+    return checked

@@ -1,0 +1,83 @@
+"""Reproducible attention dropout from a counter-based generator.
+
+Whether element (b, i, j) of P is kept depends only on (seed, b, i, j),
+where b is the flat index of the leading batch/head dims: a hash, not a
+stream of random numbers. The backward pass, which recomputes P tile by
+tile in another order, regenerates exactly the forward pass's decisions
+without storing a mask. See chapter 8.
+"""
+
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix(x):
+    """splitmix64 finalizer: a bijection of uint64 that scatters bits."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def uniform(seed, b, i, j):
+    """Uniform numbers in [0, 1) for broadcastable index arrays b, i, j."""
+    with np.errstate(over="ignore"):
+        h = mix(np.uint64(seed) + _GOLDEN)
+        h = mix(h ^ (np.asarray(b, np.uint64) + _GOLDEN))
+        h = mix(h ^ (np.asarray(i, np.uint64) + _GOLDEN))
+        h = mix(h ^ (np.asarray(j, np.uint64) + _GOLDEN))
+    # The top 24 bits give a float32-exact fraction.
+    return (h >> np.uint64(40)).astype(np.float64) / 2.0**24
+
+
+class Dropout(NamedTuple):
+    """Dropout of one call: probability p, seed, flat batch indices."""
+
+    p: float
+    seed: int
+    batch: np.ndarray  # (*batch, 1, 1) flat index of each batch element
+
+    def keep(self, rows, cols):
+        """Boolean (*batch, len(rows), len(cols)): which P entries survive."""
+        i = np.arange(rows.start, rows.stop)[:, None]
+        j = np.arange(cols.start, cols.stop)[None, :]
+        return uniform(self.seed, self.batch, i, j) >= self.p
+
+    def weights(self, rows, cols, dtype):
+        """Kept entries scaled by 1 / (1 - p), dropped ones 0."""
+        scale = dtype.type(1.0 / (1.0 - self.p))
+        return np.where(self.keep(rows, cols), scale, dtype.type(0))
+
+
+def make(dropout_p, seed, batch_shape):
+    """Validate dropout arguments; None when dropout is off."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p,
+                                                     numbers.Real):
+        raise TypeError(f"dropout_p: expected a float, got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(
+            f"dropout_p: expected 0 <= dropout_p < 1, got {dropout_p!r}"
+        )
+    if dropout_p == 0.0:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(
+            f"seed: expected an integer when dropout_p > 0, got {seed!r}"
+        )
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected 0 <= seed < 2**64, got {seed}")
+    flat = np.arange(int(np.prod(batch_shape)), dtype=np.uint64)
+    return Dropout(float(dropout_p), int(seed),
+                   flat.reshape(*batch_shape, 1, 1))
+
+
+def keep_mask(dropout_p, seed, shape):
+    """The full boolean keep mask of shape (*batch, Nq, Nk), for testing."""
+    d = make(dropout_p, seed, shape[:-2])
+    if d is None:
+        return np.ones(shape, dtype=bool)
+    return d.keep(range(shape[-2]), range(shape[-1]))

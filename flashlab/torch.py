@@ -1,0 +1,71 @@
+"""flashlab attention as a torch.autograd.Function a model can call.
+
+CPU tensors run the tiled numpy path. The forward saves q, k, v, o and the
+row log-sum-exp only; the backward recomputes score tiles from them, so no
+(Nq, Nk) tensor lives between the two passes. See chapter 8.
+"""
+
+import numpy as np
+import torch
+
+from flashlab import tiled
+
+_DTYPES = (torch.float32, torch.float64)
+
+
+class Attention(torch.autograd.Function):
+    """Autograd wrapper around tiled.attention / attention_backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, options):
+        o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
+                                 **options)
+        o, lse = torch.from_numpy(o), torch.from_numpy(lse)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.options = options
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
+                                         **ctx.options)
+        return (*(torch.from_numpy(g) for g in grads), None)
+
+
+def attention(q, k, v, *, causal=False, mask=None, scale=None,
+              dropout_p=0.0, seed=None, window=None, kv_lengths=None,
+              block_q=64, block_k=64):
+    """Differentiable attention: q (..., Nq, d), k, v -> o (..., Nq, dv).
+
+    Same semantics as tiled.attention; mask is a bool tensor or array,
+    True = may attend. With dropout_p > 0 and no seed, a seed is drawn from
+    torch's generator, so torch.manual_seed makes runs repeatable.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got "
+                            f"{type(x).__name__}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name}: expected float32 or float64, got "
+                            f"{x.dtype}")
+        if x.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name}: device {x.device} has no flashlab kernel yet; "
+                "move the tensors to the CPU"
+            )
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().numpy()
+    if isinstance(kv_lengths, torch.Tensor):
+        kv_lengths = kv_lengths.detach().cpu().numpy()
+    if dropout_p and seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    options = dict(causal=causal, mask=mask, scale=scale,
+                   dropout_p=dropout_p, seed=seed, window=window,
+                   kv_lengths=kv_lengths, block_q=block_q, block_k=block_k)
+    return Attention.apply(q, k, v, options)
+
+
+def _numpy(*tensors):
+    """Detached CPU numpy views of tensors (no copies for CPU tensors)."""
+    return [np.asarray(t.detach().cpu().numpy()) for t in tensors]

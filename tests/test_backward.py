@@ -1,0 +1,157 @@
+"""Backward with recomputation against finite differences and autograd."""
+
+import numpy as np
+import pytest
+import torch
+
+from flashlab import dropout, reference, tiled
+from helpers import EPS32, max_abs_err, qkv
+
+
+def torch_reference(q, k, v, do, keep, scale, p_drop=0.0, z=None,
+                    dtype=torch.float64):
+    """Gradients of the materialized program by torch autograd."""
+    tq, tk, tv = (torch.tensor(x, dtype=dtype, requires_grad=True)
+                  for x in (q, k, v))
+    s = scale * tq @ tk.transpose(-1, -2)
+    s = s.masked_fill(~torch.from_numpy(np.array(keep)), -torch.inf)
+    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0).detach()
+    e = torch.exp(s - m)  # empty rows: all zeros, no NaN
+    p = e / e.sum(-1, keepdim=True).clamp_min(1e-30)
+    if z is not None:
+        p = p * torch.from_numpy(z) / (1 - p_drop)
+    (p @ tv).backward(torch.tensor(do, dtype=dtype))
+    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
+
+
+def allowed(q, k, **opts):
+    return np.isfinite(reference.scores(q, k, **opts))
+
+
+CASES = [
+    dict(),
+    dict(causal=True, block_q=5, block_k=7),
+    dict(causal="bottom_right", block_q=3, block_k=4),
+    dict(window=(3, 1), block_q=4, block_k=4),
+    dict(block_q=50, block_k=50),
+]
+
+
+@pytest.mark.parametrize("opts", CASES)
+def test_float64_matches_autograd(rng, opts):
+    nq, nk = (int(x) for x in rng.integers(1, 40, size=2))
+    q, k, v = qkv(rng, (2, 2), nq, nk, 6, 4)
+    do = rng.standard_normal((2, 2, nq, 4))
+    o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+    grads = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    keep = allowed(q, k, **{x: y for x, y in opts.items()
+                            if x in ("causal", "window")})
+    keep = np.broadcast_to(keep, (*o.shape[:-1], nk))
+    want = torch_reference(q, k, v, do, keep, 1 / np.sqrt(6))
+    for g, w in zip(grads, want):
+        rel = max_abs_err(g, w) / max(1e-300, float(np.max(np.abs(w))))
+        assert rel < 1e-10
+
+
+def test_masked_rows_and_padding_have_zero_gradient(rng):
+    q, k, v = qkv(rng, (3,), 9, 12, 4, 4)
+    do = rng.standard_normal((3, 9, 4))
+    mask = rng.random((3, 9, 12)) < 0.5
+    mask[0, 2] = False  # query 2 of sequence 0 sees nothing
+    lengths = np.array([12, 5, 0])
+    opts = dict(mask=mask, kv_lengths=lengths, block_q=4, block_k=5)
+    with np.errstate(all="raise"):
+        o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+        dq, dk, dv = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    assert np.all(dq[0, 2] == 0) and np.all(dq[2] == 0)
+    assert np.all(dk[1, 5:] == 0) and np.all(dv[1, 5:] == 0)
+    keep = mask & (np.arange(12) < lengths[:, None, None])
+    want = torch_reference(q, k, v, do, keep, 0.5)
+    for g, w in zip((dq, dk, dv), want):
+        assert max_abs_err(g, w) < 1e-12
+
+
+def test_finite_differences(rng):
+    q, k, v = qkv(rng, (), 5, 7, 3, 2)
+    do = rng.standard_normal((5, 2))
+    opts = dict(causal="bottom_right", block_q=2, block_k=3)
+    o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+    grads = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+
+    def loss(q, k, v):
+        return float(np.sum(tiled.attention(q, k, v, **opts) * do))
+
+    h = 1e-6
+    for which, g in enumerate(grads):
+        args = [q, k, v]
+        x = args[which]
+        for idx in np.ndindex(x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += h
+            minus[idx] -= h
+            args[which] = plus
+            f_plus = loss(*args)
+            args[which] = minus
+            f_minus = loss(*args)
+            args[which] = x
+            fd = (f_plus - f_minus) / (2 * h)
+            # central differences: O(h^2) truncation + O(eps/h) rounding
+            assert abs(fd - g[idx]) < 1e-8
+
+
+@pytest.mark.parametrize("opts", CASES[:3])
+def test_float32_within_twice_naive_error(rng, opts):
+    q, k, v = qkv(rng, (2,), 45, 38, 16, 8, dtype=np.float32)
+    do = rng.standard_normal((2, 45, 8)).astype(np.float32)
+    o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+    grads = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    keep = allowed(q, k, **{x: y for x, y in opts.items()
+                            if x == "causal"})
+    keep = np.broadcast_to(keep, (2, 45, 38))
+    want = torch_reference(q, k, v, do, keep, 0.25)
+    # naive float32: the same materialized autograd, in float32
+    naive = torch_reference(q, k, v, do, keep, 0.25, dtype=torch.float32)
+    for g, n, w in zip(grads, naive, want):
+        floor = 8 * EPS32 * max(1.0, float(np.max(np.abs(w))))
+        assert max_abs_err(g, w) <= max(2 * max_abs_err(n, w), floor)
+
+
+def test_dropout_forward_and_backward_agree_with_explicit_mask(rng):
+    q, k, v = qkv(rng, (2, 3), 20, 26, 8, 5)
+    do = rng.standard_normal((2, 3, 20, 5))
+    opts = dict(dropout_p=0.25, seed=1234, causal=True, block_q=6,
+                block_k=7)
+    z = dropout.keep_mask(0.25, 1234, (2, 3, 20, 26))
+    o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+    o_ref = reference.attention(q, k, v, causal=True, dropout_p=0.25,
+                                dropout_mask=z)
+    assert max_abs_err(o, o_ref) < 1e-12
+    grads = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    keep = np.broadcast_to(allowed(q, k, causal=True), z.shape)
+    want = torch_reference(q, k, v, do, keep, 1 / np.sqrt(8), 0.25, z)
+    for g, w in zip(grads, want):
+        assert max_abs_err(g, w) < 1e-12
+    # a different seed is a different mask, and the answer changes
+    other = tiled.attention(q, k, v, **{**opts, "seed": 1235})
+    assert max_abs_err(other, o_ref) > 1e-3
+
+
+def test_fa1_order_gives_the_same_forward_for_backward(rng):
+    q, k, v = qkv(rng, (), 30, 30, 4, 4)
+    o1, lse1 = tiled.attention(q, k, v, return_lse=True, order="fa1",
+                               block_q=7, block_k=9)
+    o2, lse2 = tiled.attention(q, k, v, return_lse=True, block_q=7,
+                               block_k=9)
+    assert max_abs_err(o1, o2) < 1e-13 and max_abs_err(lse1, lse2) < 1e-13
+
+
+def test_saved_tensor_checks(rng):
+    q, k, v = qkv(rng, (), 4, 6, 3, 2)
+    o, lse = tiled.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="do: expected shape"):
+        tiled.attention_backward(q, k, v, o, lse, np.zeros((4, 3)))
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        tiled.attention_backward(q, k, v, o, lse[:3], np.zeros((4, 2)))
+    with pytest.raises(TypeError, match="o: expected dtype"):
+        tiled.attention_backward(q, k, v, o.astype(np.float32), lse,
+                                 np.zeros((4, 2)))

@@ -1,0 +1,116 @@
+"""flashlab.torch against torch's scaled_dot_product_attention."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashlab import torch as fl_torch
+from helpers import EPS32
+
+
+def tensors(rng, shape_q, shape_k, dv, dtype):
+    q = torch.tensor(rng.standard_normal(shape_q), dtype=dtype)
+    k = torch.tensor(rng.standard_normal(shape_k), dtype=dtype)
+    v = torch.tensor(rng.standard_normal((*shape_k[:-1], dv)), dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def run(fn, q, k, v, do):
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return out.detach(), grads
+
+
+def err(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("kind", ["plain", "causal", "mask"])
+def test_matches_sdpa(rng, dtype, kind):
+    q, k, v = tensors(rng, (2, 3, 33, 16), (2, 3, 33, 16), 16, dtype)
+    do = torch.tensor(rng.standard_normal((2, 3, 33, 16)), dtype=dtype)
+    mask = None
+    if kind == "mask":
+        m = rng.random((2, 1, 33, 33)) < 0.6
+        m[..., 0] = True  # keep every row non-empty; see the NaN test
+        mask = torch.from_numpy(m)
+    causal = kind == "causal"
+    ours = run(lambda a, b, c: fl_torch.attention(
+        a, b, c, causal=causal, mask=mask, block_q=8, block_k=16),
+        q, k, v, do)
+    theirs = run(lambda a, b, c: F.scaled_dot_product_attention(
+        a, b, c, attn_mask=mask, is_causal=causal), q, k, v, do)
+    truth = run(lambda a, b, c: F.scaled_dot_product_attention(
+        a.double(), b.double(), c.double(), attn_mask=mask,
+        is_causal=causal), q, k, v, do.double())
+    for mine, sdpa, ref in zip((ours[0], *ours[1]), (theirs[0], *theirs[1]),
+                               (truth[0], *truth[1])):
+        if dtype == torch.float64:
+            rel = err(mine, ref) / float(ref.abs().max())
+            assert rel < 1e-10
+        else:  # at most twice torch float32's own error, floor 8 ulps
+            floor = 8 * EPS32 * max(1.0, float(ref.abs().max()))
+            assert err(mine, ref) <= max(2 * err(sdpa, ref), floor)
+
+
+def test_fully_masked_rows_zero_not_nan(rng):
+    q, k, v = tensors(rng, (1, 4, 8), (1, 6, 8), 8, torch.float64)
+    mask = torch.ones(1, 4, 6, dtype=torch.bool)
+    mask[0, 1] = False
+    out = fl_torch.attention(q, k, v, mask=mask)
+    (grad_q,) = torch.autograd.grad(out.sum(), q)
+    assert torch.all(out[0, 1] == 0) and torch.all(grad_q[0, 1] == 0)
+    assert torch.isfinite(grad_q).all()
+    # This torch's SDPA agrees (0 for an empty row) ...
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(sdpa[0, 1], out[0, 1])
+    # ... while the textbook softmax of an all -inf row is NaN.
+    s = (q @ k.transpose(-1, -2)).masked_fill(~mask, -torch.inf)
+    assert torch.isnan(torch.softmax(s, -1)[0, 1]).all()
+
+
+def test_saves_no_quadratic_tensor(rng):
+    q, k, v = tensors(rng, (2, 64, 8), (2, 80, 8), 4, torch.float64)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fl_torch.attention(q, k, v, causal=True)
+    assert sorted(saved) == sorted([(2, 64, 8), (2, 80, 8), (2, 80, 4),
+                                    (2, 64, 4), (2, 64)])
+
+
+def test_dropout_seed_from_torch_generator(rng):
+    q, k, v = tensors(rng, (3, 10, 4), (3, 10, 4), 4, torch.float64)
+    torch.manual_seed(0)
+    a = fl_torch.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(0)
+    b = fl_torch.attention(q, k, v, dropout_p=0.3)
+    c = fl_torch.attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    g = torch.autograd.gradcheck(
+        lambda x, y, z: fl_torch.attention(x, y, z, dropout_p=0.3, seed=5),
+        (q, k, v))
+    assert g
+
+
+def test_gradcheck_masked():
+    rng = np.random.default_rng(3)
+    q, k, v = tensors(rng, (2, 5, 3), (2, 7, 3), 2, torch.float64)
+    mask = torch.from_numpy(rng.random((2, 5, 7)) < 0.7)
+    assert torch.autograd.gradcheck(
+        lambda x, y, z: fl_torch.attention(x, y, z, mask=mask, block_q=2,
+                                           block_k=3), (q, k, v))
+
+
+def test_bad_input():
+    x = torch.zeros(4, 4)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        fl_torch.attention(np.zeros((4, 4)), x, x)
+    with pytest.raises(TypeError, match="k: expected float32 or float64"):
+        fl_torch.attention(x, x.half(), x)
