@@ -7,6 +7,7 @@ tile in another order, regenerates exactly the forward pass's decisions
 without storing a mask. See chapter 8.
 """
 
+import math
 import numbers
 from typing import NamedTuple
 
@@ -16,22 +17,40 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def mix(x):
-    """splitmix64 finalizer: a bijection of uint64 that scatters bits."""
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 finalizer: a bijection of uint64 that scatters bits.
+
+    uint64 arithmetic wraps by design; numpy callers silence the overflow
+    warning, kernels compile this function as it is.
+    """
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def keep_bits(seed, b, i, j):
+    """24 random bits for pair (i, j) of batch element b; all uint64.
+
+    A pair is kept when keep_bits >= threshold(p): `uniform` for numpy,
+    and the numba kernels compile this function.
+    """
+    h = mix(seed + _GOLDEN)
+    h = mix(h ^ (b + _GOLDEN))
+    h = mix(h ^ (i + _GOLDEN))
+    h = mix(h ^ (j + _GOLDEN))
+    return h >> np.uint64(40)
+
+
+def threshold(p):
+    """Smallest 24-bit value that is kept: keep_bits / 2**24 >= p."""
+    return np.uint64(math.ceil(p * 2**24))
 
 
 def uniform(seed, b, i, j):
     """Uniform numbers in [0, 1) for broadcastable index arrays b, i, j."""
     with np.errstate(over="ignore"):
-        h = mix(np.uint64(seed) + _GOLDEN)
-        h = mix(h ^ (np.asarray(b, np.uint64) + _GOLDEN))
-        h = mix(h ^ (np.asarray(i, np.uint64) + _GOLDEN))
-        h = mix(h ^ (np.asarray(j, np.uint64) + _GOLDEN))
-    # The top 24 bits give a float32-exact fraction.
-    return (h >> np.uint64(40)).astype(np.float64) / 2.0**24
+        bits = keep_bits(np.uint64(seed), np.asarray(b, np.uint64),
+                         np.asarray(i, np.uint64), np.asarray(j, np.uint64))
+    return bits.astype(np.float64) / 2.0**24
 
 
 class Dropout(NamedTuple):

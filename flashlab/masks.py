@@ -61,20 +61,61 @@ class Rules(NamedTuple):
         Decided from the tile's corners when only index rules apply, so a
         skipped tile costs O(1) instead of O(Br Bc).
         """
-        if self.mask is None and self.kv_lengths is None:
-            lo = rows.start + self.offset  # diagonal at the first row
-            hi = rows.stop - 1 + self.offset  # ... and at the last row
-            if self.causal and cols.start > hi:
-                return True
-            if self.window is not None:
-                left, right = self.window
-                if left is not None and cols.stop - 1 < lo - left:
-                    return True
-                if right is not None and cols.start > hi + right:
-                    return True
+        left, right = self.window if self.window is not None else (-1, -1)
+        kv = (self.kv_lengths.max() if self.kv_lengths is not None
+              else cols.stop)
+        if tile_skipped(rows.start, rows.stop, cols.start, cols.stop,
+                        self.causal, self.offset, _bound(left),
+                        _bound(right), kv):
+            return True
+        if self.mask is None and (self.kv_lengths is None
+                                  or self.kv_lengths.min() == kv):
             return False
         keep = self.allowed(rows, cols)
         return keep is not None and not keep.any()
+
+
+def _bound(w):
+    """Window side for the scalar rules: -1 for unbounded."""
+    return -1 if w is None else w
+
+
+# Scalar forms of the index rules, compiled by the numba kernels. Window
+# sides are ints with -1 for unbounded; kv_len is the batch element's
+# number of valid keys.
+
+def pair_allowed(i, j, causal, offset, left, right, kv_len):
+    """Whether query i may attend to key j under the index rules."""
+    diag = i + offset
+    if causal and j > diag:
+        return False
+    if left >= 0 and j < diag - left:
+        return False
+    if right >= 0 and j > diag + right:
+        return False
+    return j < kv_len
+
+
+def tile_skipped(i0, i1, j0, j1, causal, offset, left, right, kv_len):
+    """No pair of rows i0..i1-1 and keys j0..j1-1 is allowed."""
+    if causal and j0 > i1 - 1 + offset:
+        return True
+    if left >= 0 and j1 - 1 < i0 + offset - left:
+        return True
+    if right >= 0 and j0 > i1 - 1 + offset + right:
+        return True
+    return j0 >= kv_len
+
+
+def tile_full(i0, i1, j0, j1, causal, offset, left, right, kv_len):
+    """Every pair of the tile is allowed: no per-element masking needed."""
+    if causal and j1 - 1 > i0 + offset:
+        return False
+    if left >= 0 and j0 < i1 - 1 + offset - left:
+        return False
+    if right >= 0 and j1 - 1 > i0 + offset + right:
+        return False
+    return j1 <= kv_len
 
 
 def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk):

@@ -12,8 +12,12 @@ call `merge`. See chapters 2-5.
 
 An empty block (no allowed key) has m = -inf, l = 0, u = 0: the identity
 of `merge`. The code never forms (-inf) - (-inf), so no NaN appears.
+
+`row_step` and `row_probability` are the same algebra for one row in
+scalar form; the numba CPU and CUDA kernels compile these very functions.
 """
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -106,3 +110,21 @@ def _rows_times(p, values):
     if p.ndim == values.ndim:  # p (..., R, C) @ values (..., C, dv)
         return p @ values
     return (p[..., None, :] @ values)[..., 0, :]
+
+
+def row_step(m_run, tile_max, lowest):
+    """One row's merge with a new tile, kernel form: (m_new, shift, alpha).
+
+    The tile's terms are taken as exp(s - shift) and the running l and u
+    are multiplied by alpha = exp(m_run - shift). shift is m_new, or the
+    finite `lowest` of the dtype while the row has seen no allowed key, so
+    that exp(-inf - shift) = 0 and (-inf) - (-inf) never happens.
+    """
+    m_new = max(m_run, tile_max)
+    shift = max(m_new, lowest)
+    return m_new, shift, math.exp(m_run - shift)
+
+
+def row_probability(score, lse, lowest):
+    """P_ij = exp(S_ij - lse_i) for one pair, kernel form; 0 for empty rows."""
+    return math.exp(score - max(lse, lowest))

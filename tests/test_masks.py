@@ -44,12 +44,21 @@ def test_patterns_match_definition_and_skip_only_empty_tiles(
     keep = rules.allowed(range(nq), range(nk))
     want = explicit(nq, nk, causal, window)
     assert np.array_equal(np.ones_like(want) if keep is None else keep, want)
+    left, right = (-1 if w is None else w for w in (window or (None,) * 2))
+    scalar = (rules.causal, rules.offset, left, right, nk)
+    for i in range(nq):  # the kernels' scalar form agrees pair by pair
+        for j in range(nk):
+            assert masks.pair_allowed(i, j, *scalar) == want[i, j]
     for i0 in range(0, nq, bq):
         for j0 in range(0, nk, bk):
             rows = range(i0, min(i0 + bq, nq))
             cols = range(j0, min(j0 + bk, nk))
-            empty = not want[i0:rows.stop, j0:cols.stop].any()
-            assert rules.skips(rows, cols) == empty
+            tile = want[i0:rows.stop, j0:cols.stop]
+            assert rules.skips(rows, cols) == (not tile.any())
+            assert masks.tile_skipped(i0, rows.stop, j0, cols.stop,
+                                      *scalar) == (not tile.any())
+            assert masks.tile_full(i0, rows.stop, j0, cols.stop,
+                                   *scalar) == bool(tile.all())
     # and the tiled result is the masked reference
     rng = np.random.default_rng(seed)
     q, k, v = qkv(rng, (), nq, nk, 3, 2)

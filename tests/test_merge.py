@@ -125,3 +125,26 @@ def test_merge_is_associative(lists, seed):
 def test_merge_is_commutative(lists, seed):
     a, b, _ = _summaries(lists, seed)
     _close(merge.merge(a, b), merge.merge(b, a))
+
+
+def test_row_step_is_the_merge_for_one_row(rng):
+    lowest = float(np.finfo(np.float64).min)
+    s = rng.standard_normal(12) * 4
+    s[3:5] = -np.inf
+    v = rng.standard_normal((12, 2))
+    m, l, u = -np.inf, 0.0, np.zeros(2)
+    for j0 in (0, 3, 5, 9):  # tiles [0, 3), [3, 5) (masked), [5, 9), ...
+        t = s[j0:{0: 3, 3: 5, 5: 9, 9: 12}[j0]]
+        m, shift, alpha = merge.row_step(m, t.max(), lowest)
+        p = np.exp(t - shift)
+        l = alpha * l + p.sum()
+        u = alpha * u + p @ v[j0:j0 + len(t)]
+    whole = merge.summarize(s, v)
+    assert m == whole.m and abs(l - whole.l) < 1e-14
+    assert max_abs_err(u, whole.u) < 1e-14
+    # a row that has seen nothing stays empty without NaN
+    with np.errstate(all="raise"):
+        m0, shift0, alpha0 = merge.row_step(-np.inf, -np.inf, lowest)
+        assert (m0, alpha0) == (-np.inf, 0.0)
+        assert np.exp(-np.inf - shift0) == 0.0
+        assert merge.row_probability(-np.inf, -np.inf, lowest) == 0.0
