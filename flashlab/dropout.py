@@ -14,30 +14,26 @@ from typing import NamedTuple
 import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix(x):
-    """splitmix64 finalizer: a bijection of uint64 that scatters bits.
-
-    uint64 arithmetic wraps by design; numpy callers silence the overflow
-    warning, kernels compile this function as it is.
-    """
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_ZERO, _S27, _S30, _S31, _S40 = (np.uint64(x) for x in (0, 27, 30, 31, 40))
 
 
 def keep_bits(seed, b, i, j):
     """24 random bits for pair (i, j) of batch element b; all uint64.
 
-    A pair is kept when keep_bits >= threshold(p): `uniform` for numpy,
-    and the numba kernels compile this function.
+    Each word is folded into the state and scrambled with the splitmix64
+    finalizer. uint64 arithmetic wraps by design: numpy callers silence
+    the overflow warning, and the numba kernels compile this function as
+    it is. A pair is kept when keep_bits >= threshold(p).
     """
-    h = mix(seed + _GOLDEN)
-    h = mix(h ^ (b + _GOLDEN))
-    h = mix(h ^ (i + _GOLDEN))
-    h = mix(h ^ (j + _GOLDEN))
-    return h >> np.uint64(40)
+    h = seed
+    for word in (_ZERO, b, i, j):
+        h = h ^ (word + _GOLDEN)
+        h = (h ^ (h >> _S30)) * _M1
+        h = (h ^ (h >> _S27)) * _M2
+        h = h ^ (h >> _S31)
+    return h >> _S40
 
 
 def threshold(p):

@@ -1,8 +1,10 @@
 """flashlab attention as a torch.autograd.Function a model can call.
 
-CPU tensors run the tiled numpy path. The forward saves q, k, v, o and the
-row log-sum-exp only; the backward recomputes score tiles from them, so no
-(Nq, Nk) tensor lives between the two passes. See chapter 8.
+CPU tensors run the tiled numpy path, CUDA tensors the numba.cuda kernels
+of flashlab.gpu (float32), in place through __cuda_array_interface__. The
+forward saves q, k, v, o and the row log-sum-exp only; the backward
+recomputes score tiles from them, so no (Nq, Nk) tensor lives between the
+two passes. See chapters 8 and 9.
 """
 
 import numpy as np
@@ -18,9 +20,14 @@ class Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, options):
-        o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
-                                 **options)
-        o, lse = torch.from_numpy(o), torch.from_numpy(lse)
+        if q.is_cuda:
+            from flashlab import gpu
+
+            o, lse = gpu.attention(q, k, v, return_lse=True, **options)
+        else:
+            o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
+                                     **options)
+            o, lse = torch.from_numpy(o), torch.from_numpy(lse)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = options
         return o
@@ -28,6 +35,12 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
+        if q.is_cuda:
+            from flashlab import gpu
+
+            grads = gpu.attention_backward(q, k, v, o, lse,
+                                           do.contiguous(), **ctx.options)
+            return (*grads, None)
         grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
                                          **ctx.options)
         return (*(torch.from_numpy(g) for g in grads), None)
@@ -49,11 +62,9 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name}: expected float32 or float64, got "
                             f"{x.dtype}")
-        if x.device.type != "cpu":
-            raise NotImplementedError(
-                f"{name}: device {x.device} has no flashlab kernel yet; "
-                "move the tensors to the CPU"
-            )
+        if x.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} like q, "
+                             f"got {x.device}")
     if isinstance(mask, torch.Tensor):
         mask = mask.detach().cpu().numpy()
     if isinstance(kv_lengths, torch.Tensor):
@@ -62,7 +73,9 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         seed = int(torch.randint(0, 2**62, ()).item())
     options = dict(causal=causal, mask=mask, scale=scale,
                    dropout_p=dropout_p, seed=seed, window=window,
-                   kv_lengths=kv_lengths, block_q=block_q, block_k=block_k)
+                   kv_lengths=kv_lengths)
+    if not q.is_cuda:  # the GPU kernels fix their own tiles
+        options.update(block_q=block_q, block_k=block_k)
     return Attention.apply(q, k, v, options)
 
 

@@ -1,7 +1,19 @@
-"""Shared fixtures: fresh random generators whose seed is reported."""
+"""Shared fixtures, and the CUDA simulator on machines without a GPU.
+
+numba reads NUMBA_ENABLE_CUDASIM once, at its first import, so the choice
+is made here, before any test module imports flashlab.gpu. On a machine
+with an NVIDIA driver the real GPU is used; run `pytest -m gpu` there.
+"""
+
+import os
 
 import numpy as np
 import pytest
+
+HAS_GPU = os.path.exists("/dev/nvidiactl")
+if not HAS_GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 @pytest.fixture

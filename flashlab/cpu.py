@@ -1,0 +1,255 @@
+"""Tiled attention compiled for the CPU with numba: forward and backward.
+
+Same arguments and semantics as `flashlab.tiled`, float32 and float64.
+Query blocks (forward, dQ pass) and key blocks (dK/dV pass) of every
+batch element run in parallel threads; nothing is shared between
+threads, so results do not depend on the thread count. The per-row
+algebra is `merge.row_step`, the mask rules `masks.pair_allowed`, the
+dropout hash `dropout.keep_bits`, compiled here as they are. See
+chapter 9.
+"""
+
+import math
+
+import numpy as np
+from numba import njit, prange, uint64
+
+from flashlab import dropout, kernel_args, masks, merge, tiled
+
+_row_step = njit(merge.row_step)
+_row_probability = njit(merge.row_probability)
+_pair_allowed = njit(masks.pair_allowed)
+_tile_skipped = njit(masks.tile_skipped)
+_tile_full = njit(masks.tile_full)
+_keep_bits = njit(dropout.keep_bits)
+# Let LLVM fuse multiply-adds and reorder sums so the loops vectorize; no
+# flag that assumes finite values, since masked scores are -inf.
+_FAST = {"contract", "reassoc"}
+
+
+def attention(q, k, v, *, block_q=64, block_k=64, return_lse=False,
+              **options):
+    """Numba CPU attention, arguments as tiled.attention: o (..., Nq, dv)."""
+    q3, k3, v3, batch, p, a = kernel_args.flatten(
+        q, k, v, dict(block_q=block_q, block_k=block_k, **options))
+    o = np.empty((q3.shape[0], p.nq, v3.shape[-1]), dtype=q3.dtype)
+    lse = np.empty((q3.shape[0], p.nq), dtype=q3.dtype)
+    kt = np.ascontiguousarray(np.swapaxes(k3, -1, -2))  # (BH, d, Nk)
+    _forward(np.ascontiguousarray(q3), kt, np.ascontiguousarray(v3), o, lse,
+             p.block_q, p.block_k, *_scalars(a, q3.dtype))
+    o = o.reshape(*batch, p.nq, -1)
+    return (o, lse.reshape(*batch, p.nq)) if return_lse else o
+
+
+def attention_backward(q, k, v, o, lse, do, *, block_q=64, block_k=64,
+                       **options):
+    """Numba CPU gradients (dq, dk, dv); arguments as tiled's backward."""
+    q3, k3, v3, batch, p, a = kernel_args.flatten(
+        q, k, v, dict(block_q=block_q, block_k=block_k, **options))
+    o, lse, do = tiled._check_saved(q, v, o, lse, do)
+    bh, dv_ = q3.shape[0], v3.shape[-1]
+    do3 = np.ascontiguousarray(do.reshape(bh, p.nq, dv_))
+    lse3 = np.ascontiguousarray(lse.reshape(bh, p.nq))
+    delta = (do3 * o.reshape(bh, p.nq, dv_)).sum(axis=-1)  # D_i (BH, Nq)
+    dq, dk, dv = (np.empty_like(x) for x in (q3, k3, v3))
+    arrays = [np.ascontiguousarray(x) for x in (q3, k3, v3)]
+    scalars = _scalars(a, q3.dtype)
+    _backward_kv(*arrays, do3, lse3, delta, dk, dv, p.block_q, p.block_k,
+                 *scalars)
+    _backward_q(*arrays, do3, lse3, delta, dq, p.block_q, p.block_k,
+                *scalars)
+    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+
+
+def _scalars(a, dtype):
+    """KernelArgs in kernel argument order, floats in the array dtype."""
+    t = dtype.type
+    return (t(a.scale), a.causal, a.offset, a.left, a.right, a.kv_len,
+            a.mask, a.use_mask, a.seed, a.threshold, a.use_dropout,
+            t(a.drop_scale), t(np.finfo(dtype).min))
+
+
+@njit
+def _mask_tile(s, b, i0, br, j0, bc, causal, offset, left, right, kv_len,
+               mask, use_mask):
+    """Set disallowed pairs of the score tile s[:br, :bc] to -inf."""
+    for r in range(br):
+        for c in range(bc):
+            ok = _pair_allowed(i0 + r, j0 + c, causal, offset, left, right,
+                               kv_len)
+            if use_mask:
+                ok = ok and mask[b, i0 + r, j0 + c]
+            if not ok:
+                s[r, c] = -np.inf
+
+
+@njit(fastmath=_FAST)
+def _score_tile(s, q, kt, b, i0, br, j0, bc, scale):
+    """s[:br, :bc] = scale * Q_i K_j^T, vectorized along the keys."""
+    d = q.shape[2]
+    for r in range(br):
+        for c in range(bc):
+            s[r, c] = 0
+        for x in range(d):
+            a = q[b, i0 + r, x] * scale
+            for c in range(bc):
+                s[r, c] += a * kt[b, x, j0 + c]
+
+
+@njit(parallel=True, fastmath=_FAST)
+def _forward(q, kt, v, o, lse, block_q, block_k, scale, causal, offset,
+             left, right, kv_len, mask, use_mask, seed, threshold,
+             use_dropout, drop_scale, lowest):
+    bh, nq, _ = q.shape
+    nk, dv = v.shape[1], v.shape[2]
+    n_blocks = (nq + block_q - 1) // block_q
+    for t in prange(bh * n_blocks):
+        b = t // n_blocks
+        i0 = (t % n_blocks) * block_q
+        br = min(block_q, nq - i0)
+        acc = np.zeros((br, dv), dtype=q.dtype)  # u, on chip
+        m = np.full(br, -np.inf, dtype=q.dtype)
+        l = np.zeros(br, dtype=q.dtype)
+        s = np.empty((br, block_k), dtype=q.dtype)  # the one score tile
+        for j0 in range(0, nk, block_k):
+            bc = min(block_k, nk - j0)
+            if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
+                             right, kv_len[b]):
+                continue
+            _score_tile(s, q, kt, b, i0, br, j0, bc, scale)
+            if use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, causal,
+                                          offset, left, right, kv_len[b]):
+                _mask_tile(s, b, i0, br, j0, bc, causal, offset, left,
+                           right, kv_len[b], mask, use_mask)
+            for r in range(br):
+                tile_max = s[r, 0]
+                for c in range(1, bc):
+                    tile_max = max(tile_max, s[r, c])
+                m[r], shift, alpha = _row_step(m[r], tile_max, lowest)
+                row_sum = alpha * 0  # a zero of the array dtype
+                for c in range(bc):  # branch-free, so it vectorizes
+                    p = math.exp(s[r, c] - shift)
+                    row_sum += p
+                    s[r, c] = p
+                l[r] = alpha * l[r] + row_sum
+                for x in range(dv):
+                    acc[r, x] *= alpha
+            if use_dropout:  # dropped pairs leave the numerator only
+                for r in range(br):
+                    for c in range(bc):
+                        keep = _keep_bits(seed, uint64(b), uint64(i0 + r),
+                                          uint64(j0 + c)) >= threshold
+                        s[r, c] = s[r, c] * drop_scale if keep else 0
+            for r in range(br):  # acc += P_ij V_j
+                for c in range(bc):
+                    p = s[r, c]
+                    for x in range(dv):
+                        acc[r, x] += p * v[b, j0 + c, x]
+        for r in range(br):
+            if l[r] > 0:
+                for x in range(dv):
+                    o[b, i0 + r, x] = acc[r, x] / l[r]
+                lse[b, i0 + r] = m[r] + math.log(l[r])
+            else:  # no allowed key: output 0, lse -inf
+                for x in range(dv):
+                    o[b, i0 + r, x] = 0
+                lse[b, i0 + r] = -np.inf
+
+
+@njit
+def _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc, scale,
+             causal, offset, left, right, kv_len, mask, use_mask, seed,
+             threshold, use_dropout, drop_scale, lowest):
+    """Recompute P_ij, dropout-weighted P_ij and dS_ij = P(dP - D)."""
+    d, dv = q.shape[2], v.shape[2]
+    for r in range(br):
+        i = i0 + r
+        for c in range(bc):
+            j = j0 + c
+            ok = _pair_allowed(i, j, causal, offset, left, right, kv_len)
+            if use_mask:
+                ok = ok and mask[b, i, j]
+            if not ok:
+                ds[r, c] = 0
+                pz[r, c] = 0
+                continue
+            s = q[b, i, 0] * k[b, j, 0]
+            for x in range(1, d):
+                s += q[b, i, x] * k[b, j, x]
+            p = _row_probability(s * scale, lse[b, i], lowest)
+            dp = do[b, i, 0] * v[b, j, 0]
+            for x in range(1, dv):
+                dp += do[b, i, x] * v[b, j, x]
+            z = drop_scale
+            if use_dropout and _keep_bits(seed, uint64(b), uint64(i),
+                                          uint64(j)) < threshold:
+                z = z * 0
+            pz[r, c] = p * z
+            ds[r, c] = p * (dp * z - delta[b, i])
+
+
+@njit(parallel=True, fastmath=_FAST)
+def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, scale,
+                 causal, offset, left, right, kv_len, mask, use_mask, seed,
+                 threshold, use_dropout, drop_scale, lowest):
+    bh, nq, d = q.shape
+    nk, dvn = v.shape[1], v.shape[2]
+    n_blocks = (nk + block_k - 1) // block_k
+    for t in prange(bh * n_blocks):
+        b = t // n_blocks
+        j0 = (t % n_blocks) * block_k
+        bc = min(block_k, nk - j0)
+        dk_j = np.zeros((bc, d), dtype=q.dtype)  # on chip for all Q_i
+        dv_j = np.zeros((bc, dvn), dtype=q.dtype)
+        ds = np.empty((block_q, bc), dtype=q.dtype)
+        pz = np.empty((block_q, bc), dtype=q.dtype)
+        for i0 in range(0, nq, block_q):
+            br = min(block_q, nq - i0)
+            if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
+                             right, kv_len[b]):
+                continue
+            _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc,
+                     scale, causal, offset, left, right, kv_len[b], mask,
+                     use_mask, seed, threshold, use_dropout, drop_scale,
+                     lowest)
+            for r in range(br):
+                for c in range(bc):
+                    w = pz[r, c]  # dV_j += (P Z)^T dO_i
+                    for x in range(dvn):
+                        dv_j[c, x] += w * do[b, i0 + r, x]
+                    g = ds[r, c] * scale  # dK_j += tau dS^T Q_i
+                    for x in range(d):
+                        dk_j[c, x] += g * q[b, i0 + r, x]
+        dk[b, j0:j0 + bc, :] = dk_j
+        dv[b, j0:j0 + bc, :] = dv_j
+
+
+@njit(parallel=True, fastmath=_FAST)
+def _backward_q(q, k, v, do, lse, delta, dq, block_q, block_k, scale,
+                causal, offset, left, right, kv_len, mask, use_mask, seed,
+                threshold, use_dropout, drop_scale, lowest):
+    bh, nq, d = q.shape
+    nk = k.shape[1]
+    n_blocks = (nq + block_q - 1) // block_q
+    for t in prange(bh * n_blocks):
+        b = t // n_blocks
+        i0 = (t % n_blocks) * block_q
+        br = min(block_q, nq - i0)
+        dq_i = np.zeros((br, d), dtype=q.dtype)
+        ds = np.empty((br, block_k), dtype=q.dtype)
+        pz = np.empty((br, block_k), dtype=q.dtype)
+        for j0 in range(0, nk, block_k):
+            bc = min(block_k, nk - j0)
+            if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
+                             right, kv_len[b]):
+                continue
+            _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc,
+                     scale, causal, offset, left, right, kv_len[b], mask,
+                     use_mask, seed, threshold, use_dropout, drop_scale,
+                     lowest)
+            for r in range(br):
+                for c in range(bc):
+                    g = ds[r, c] * scale  # dQ_i += tau dS K_j
+                    for x in range(d):
+                        dq_i[r, x] += g * k[b, j0 + c, x]
+        dq[b, i0:i0 + br, :] = dq_i

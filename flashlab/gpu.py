@@ -1,0 +1,665 @@
+"""Attention kernels for NVIDIA GPUs in numba.cuda: forward and backward.
+
+float32 storage and arithmetic (every constant is a float32, so no float64
+instruction reaches the PTX), head dims 16-128 in multiples of 16, any N,
+and the mask, padding, window and dropout semantics of `flashlab.tiled`.
+The per-row algebra is `merge.row_step`, the mask rules
+`masks.pair_allowed`, the dropout hash `dropout.keep_bits`: the same
+functions the CPU kernels compile. See chapter 9.
+
+The forward kernel exists in numbered versions that all stay correct:
+
+- v1: one thread per query row, everything from global memory;
+- v2: one thread per query row, K/V tiles staged in shared memory and
+  shared by the whole block;
+- v3: a 64 x 32 score tile per block of 128 threads, each thread holding
+  a 4 x 4 piece of S and a 4-row slice of the output in registers.
+
+The backward pass is two kernels without atomics (dK/dV with one thread
+per key row, dQ with one thread per query row), so its gradients are
+bitwise identical from run to run.
+"""
+
+import math
+
+import numpy as np
+from numba import cuda, float32, uint64
+
+from flashlab import dropout, kernel_args, masks, merge, tiled
+
+if not hasattr(np, "row_stack"):  # numpy >= 2.5 removed it; numba-cuda
+    np.row_stack = np.vstack  # 0.30 still calls it while compiling
+
+VERSIONS = (1, 2, 3)
+# Tests set this to fill every output with NaN before a kernel runs, so an
+# element a kernel fails to write cannot pass for a right answer.
+POISON_OUTPUTS = False
+THREADS = 128  # threads per block of v1 and v3
+_F0 = np.float32(0)
+_NEG_INF = np.float32(-np.inf)
+_LOWEST = np.float32(np.finfo(np.float32).min)
+
+_row_step = cuda.jit(device=True)(merge.row_step)
+_row_probability = cuda.jit(device=True)(merge.row_probability)
+_pair_allowed = cuda.jit(device=True)(masks.pair_allowed)
+_tile_skipped = cuda.jit(device=True)(masks.tile_skipped)
+_tile_full = cuda.jit(device=True)(masks.tile_full)
+_keep_bits = cuda.jit(device=True)(dropout.keep_bits)
+
+
+@cuda.jit(device=True)
+def _allowed(b, i, j, nq, nk, causal, offset, left, right, kv_len, mask,
+             use_mask):
+    """Pair (i, j) of batch element b is in range and allowed."""
+    if i >= nq or j >= nk:
+        return False
+    ok = _pair_allowed(i, j, causal, offset, left, right, kv_len[b])
+    if ok and use_mask:
+        ok = mask[b, i, j] != 0
+    return ok
+
+
+@cuda.jit(device=True)
+def _dropout_weight(b, i, j, seed, threshold, use_dropout, drop_scale):
+    """1 / (1 - p) for a kept pair, 0 for a dropped one, 1 without dropout."""
+    if not use_dropout:
+        return drop_scale
+    if _keep_bits(seed, uint64(b), uint64(i), uint64(j)) < threshold:
+        return _F0
+    return drop_scale
+
+
+def _tiles(d, dv):
+    """(Br, Bc) of v3 for head dims d, dv: fits 48 KiB of shared memory."""
+    return (64, 32) if max(d, dv) <= 64 else (32, 16)
+
+
+_cache = {}
+
+
+def _kernel(name, d, dv):
+    """The compiled kernel `name` for head dims d, dv (built once)."""
+    key = (name, d, dv)
+    if key not in _cache:
+        _cache[key] = _FACTORIES[name](d, dv)
+    return _cache[key]
+
+
+def _make_v1(D, DV):
+    """v1: one thread per query row; K and V read from global memory."""
+
+    @cuda.jit
+    def forward_v1(q, k, v, o, lse, scale, causal, offset, left, right,
+                   kv_len, mask, use_mask, seed, threshold, use_dropout,
+                   drop_scale):
+        b = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        nq, nk = q.shape[1], k.shape[1]
+        if i >= nq:
+            return  # no barrier in this kernel, so early exit is safe
+        q_i = cuda.local.array(D, float32)
+        acc = cuda.local.array(DV, float32)
+        for x in range(D):
+            q_i[x] = q[b, i, x] * scale
+        for x in range(DV):
+            acc[x] = _F0
+        m = _NEG_INF
+        l = _F0
+        for j in range(nk):  # online update, one key at a time
+            if not _allowed(b, i, j, nq, nk, causal, offset, left, right,
+                            kv_len, mask, use_mask):
+                continue
+            s = _F0
+            for x in range(D):
+                s += q_i[x] * k[b, j, x]
+            m, shift, alpha = _row_step(m, s, _LOWEST)
+            p = math.exp(s - shift)
+            l = alpha * l + p
+            p *= _dropout_weight(b, i, j, seed, threshold, use_dropout,
+                                 drop_scale)
+            for x in range(DV):
+                acc[x] = alpha * acc[x] + p * v[b, j, x]
+        _store_row(o, lse, b, i, acc, m, l, DV)
+
+    return forward_v1
+
+
+@cuda.jit(device=True)
+def _store_row(o, lse, b, i, acc, m, l, dv):
+    """O_i = u / l and lse_i = m + log l; 0 and -inf for an empty row."""
+    if l > _F0:
+        for x in range(dv):
+            o[b, i, x] = acc[x] / l
+        lse[b, i] = m + math.log(l)
+    else:
+        for x in range(dv):
+            o[b, i, x] = _F0
+        lse[b, i] = _NEG_INF
+
+
+def _make_v2(D, DV):
+    """v2: one thread per query row; K/V tiles shared through smem."""
+    BC = 32  # keys per shared tile: 2 * 32 * 128 * 4 B = 32 KiB at most
+
+    @cuda.jit
+    def forward_v2(q, k, v, o, lse, scale, causal, offset, left, right,
+                   kv_len, mask, use_mask, seed, threshold, use_dropout,
+                   drop_scale):
+        k_s = cuda.shared.array((BC, D), float32)
+        v_s = cuda.shared.array((BC, DV), float32)
+        q_i = cuda.local.array(D, float32)
+        acc = cuda.local.array(DV, float32)
+        s = cuda.local.array(BC, float32)
+        t = cuda.threadIdx.x
+        rows = cuda.blockDim.x
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * rows
+        i = i0 + t
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + rows, nq)
+        for x in range(D):
+            q_i[x] = q[b, i, x] * scale if i < nq else _F0
+        for x in range(DV):
+            acc[x] = _F0
+        m = _NEG_INF
+        l = _F0
+        for j0 in range(0, nk, BC):
+            if _tile_skipped(i0, i1, j0, min(j0 + BC, nk), causal, offset,
+                             left, right, kv_len[b]):
+                continue  # the same decision in every thread of the block
+            # HBM -> SRAM: K_j, V_j (Bc (d + dv) floats), used by all rows
+            for e in range(t, BC * D, rows):
+                r, x = e // D, e % D
+                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
+            for e in range(t, BC * DV, rows):
+                r, x = e // DV, e % DV
+                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            cuda.syncthreads()  # K_j, V_j fully loaded before any read
+            tile_max = _NEG_INF
+            for c in range(BC):
+                if _allowed(b, i, j0 + c, nq, nk, causal, offset, left,
+                            right, kv_len, mask, use_mask):
+                    acc_s = _F0
+                    for x in range(D):
+                        acc_s += q_i[x] * k_s[c, x]
+                    s[c] = acc_s
+                else:
+                    s[c] = _NEG_INF
+                tile_max = max(tile_max, s[c])
+            m, shift, alpha = _row_step(m, tile_max, _LOWEST)
+            l *= alpha
+            for x in range(DV):
+                acc[x] *= alpha
+            for c in range(BC):
+                p = math.exp(s[c] - shift)
+                l += p
+                p *= _dropout_weight(b, i, j0 + c, seed, threshold,
+                                     use_dropout, drop_scale)
+                for x in range(DV):
+                    acc[x] += p * v_s[c, x]
+            cuda.syncthreads()  # every row is done with K_j, V_j
+        if i < nq:
+            _store_row(o, lse, b, i, acc, m, l, DV)
+
+    return forward_v2
+
+
+def _make_v3(D, DV):
+    """v3: register-blocked tiles; see the module docstring."""
+    BR, BC = _tiles(D, DV)
+    RM = 4  # score and output rows per thread
+    TY = BR // RM  # thread rows
+    TX = THREADS // TY  # thread columns
+    CN = BC // TX  # score columns per thread
+    OC = DV // TX  # output columns per thread (strided by TX)
+    DP = D + 1  # padded rows: column reads hit distinct banks
+    BCP = BC + 1
+
+    @cuda.jit
+    def forward_v3(q, k, v, o, lse, scale, causal, offset, left, right,
+                   kv_len, mask, use_mask, seed, threshold, use_dropout,
+                   drop_scale):
+        q_s = cuda.shared.array((BR, DP), float32)
+        k_s = cuda.shared.array((BC, DP), float32)
+        v_s = cuda.shared.array((BC, DV), float32)
+        p_s = cuda.shared.array((BR, BCP), float32)
+        m_s = cuda.shared.array(BR, float32)
+        l_s = cuda.shared.array(BR, float32)
+        a_s = cuda.shared.array(BR, float32)
+        acc = cuda.local.array((RM, OC), float32)
+        s = cuda.local.array((RM, CN), float32)
+        qa = cuda.local.array(RM, float32)
+        vv = cuda.local.array(OC, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * BR
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BR, nq)
+        kv = kv_len[b]
+        # HBM -> SRAM once: Q_i scaled by tau (Br d floats)
+        for e in range(t, BR * D, THREADS):
+            r, x = e // D, e % D
+            q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
+        if t < BR:
+            m_s[t] = _NEG_INF
+            l_s[t] = _F0
+        for a in range(RM):
+            for c in range(OC):
+                acc[a, c] = _F0
+        cuda.syncthreads()  # Q_i and the row state exist before tile 0
+        for j0 in range(0, nk, BC):
+            j1 = min(j0 + BC, nk)
+            if _tile_skipped(i0, i1, j0, j1, causal, offset, left, right,
+                             kv):
+                continue  # uniform over the block: barriers stay aligned
+            full = (not use_mask and j1 - j0 == BC
+                    and _tile_full(i0, i1, j0, j1, causal, offset, left,
+                                   right, kv))
+            # HBM -> SRAM: K_j, V_j (Bc (d + dv) floats), used by Br rows
+            for e in range(t, BC * D, THREADS):
+                r, x = e // D, e % D
+                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
+            for e in range(t, BC * DV, THREADS):
+                r, x = e // DV, e % DV
+                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            cuda.syncthreads()  # K_j, V_j loaded before any thread reads
+            # S_ij = Q_i K_j^T: a RM x CN piece per thread, in registers
+            for a in range(RM):
+                for c in range(CN):
+                    s[a, c] = _F0
+            for x in range(D):
+                for a in range(RM):
+                    qa[a] = q_s[ty * RM + a, x]
+                for c in range(CN):
+                    kc = k_s[tx * CN + c, x]
+                    for a in range(RM):
+                        s[a, c] += qa[a] * kc
+            for a in range(RM):
+                r = ty * RM + a
+                for c in range(CN):
+                    col = tx * CN + c
+                    if full or _allowed(b, i0 + r, j0 + col, nq, nk,
+                                        causal, offset, left, right,
+                                        kv_len, mask, use_mask):
+                        p_s[r, col] = s[a, c]
+                    else:
+                        p_s[r, col] = _NEG_INF
+            cuda.syncthreads()  # all of S_ij in SRAM before row statistics
+            if t < BR:  # one thread per row: max, exp, l, alpha
+                tile_max = _NEG_INF
+                for c in range(BC):
+                    tile_max = max(tile_max, p_s[t, c])
+                m_new, shift, alpha = _row_step(m_s[t], tile_max, _LOWEST)
+                row_sum = _F0
+                for c in range(BC):
+                    p = math.exp(p_s[t, c] - shift)
+                    row_sum += p
+                    p_s[t, c] = p * _dropout_weight(
+                        b, i0 + t, j0 + c, seed, threshold, use_dropout,
+                        drop_scale)
+                l_s[t] = alpha * l_s[t] + row_sum
+                m_s[t] = m_new
+                a_s[t] = alpha
+            cuda.syncthreads()  # P_ij and alpha ready for the O update
+            # O_i = alpha O_i + P_ij V_j: RM rows x OC columns per thread
+            for a in range(RM):
+                alpha = a_s[ty * RM + a]
+                for c in range(OC):
+                    acc[a, c] *= alpha
+            for col in range(BC):
+                for c in range(OC):
+                    vv[c] = v_s[col, tx + TX * c]
+                for a in range(RM):
+                    p = p_s[ty * RM + a, col]
+                    for c in range(OC):
+                        acc[a, c] += p * vv[c]
+            cuda.syncthreads()  # K_j, V_j, P_ij consumed before reuse
+        for a in range(RM):
+            r = ty * RM + a
+            if i0 + r < nq:
+                l = l_s[r]
+                for c in range(OC):
+                    o[b, i0 + r, tx + TX * c] = (acc[a, c] / l if l > _F0
+                                                 else _F0)
+        if t < BR and i0 + t < nq:
+            l = l_s[t]
+            lse[b, i0 + t] = m_s[t] + math.log(l) if l > _F0 else _NEG_INF
+
+    return forward_v3
+
+
+def _backward_sizes(D, DV):
+    """(threads per block, rows per staged chunk) of the backward kernels."""
+    return (64, 16) if max(D, DV) <= 64 else (32, 8)
+
+
+def _make_backward_kv(D, DV):
+    """dK, dV: one thread per key row; query chunks staged in SRAM."""
+    NT, CH = _backward_sizes(D, DV)
+    DP, DVP = D + 1, DV + 1  # padded own rows: conflict-free reads
+
+    @cuda.jit
+    def backward_kv(q, k, v, do, lse, delta, dk, dv, scale, causal, offset,
+                    left, right, kv_len, mask, use_mask, seed, threshold,
+                    use_dropout, drop_scale):
+        k_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
+        v_s = cuda.shared.array((NT, DVP), float32)
+        q_s = cuda.shared.array((CH, D), float32)
+        do_s = cuda.shared.array((CH, DV), float32)
+        lse_s = cuda.shared.array(CH, float32)
+        dl_s = cuda.shared.array(CH, float32)
+        dk_j = cuda.local.array(D, float32)
+        dv_j = cuda.local.array(DV, float32)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * NT
+        j = j0 + t
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + NT, nk)
+        for x in range(D):
+            k_s[t, x] = k[b, j, x] if j < nk else _F0
+            dk_j[x] = _F0
+        for x in range(DV):
+            v_s[t, x] = v[b, j, x] if j < nk else _F0
+            dv_j[x] = _F0
+        for i0 in range(0, nq, CH):
+            if _tile_skipped(i0, min(i0 + CH, nq), j0, j1, causal, offset,
+                             left, right, kv_len[b]):
+                continue
+            cuda.syncthreads()  # the previous chunk is no longer read
+            for e in range(t, CH * D, NT):
+                r, x = e // D, e % D
+                q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
+            for e in range(t, CH * DV, NT):
+                r, x = e // DV, e % DV
+                do_s[r, x] = do[b, i0 + r, x] if i0 + r < nq else _F0
+            if t < CH:
+                inside = i0 + t < nq
+                lse_s[t] = lse[b, i0 + t] if inside else _NEG_INF
+                dl_s[t] = delta[b, i0 + t] if inside else _F0
+            cuda.syncthreads()  # the chunk of Q, dO, lse, D is loaded
+            for r in range(CH):
+                if not _allowed(b, i0 + r, j, nq, nk, causal, offset, left,
+                                right, kv_len, mask, use_mask):
+                    continue
+                s = _F0
+                for x in range(D):
+                    s += q_s[r, x] * k_s[t, x]
+                p = _row_probability(s, lse_s[r], _LOWEST)
+                dp = _F0
+                for x in range(DV):
+                    dp += do_s[r, x] * v_s[t, x]
+                z = _dropout_weight(b, i0 + r, j, seed, threshold,
+                                    use_dropout, drop_scale)
+                pz = p * z
+                ds = p * (dp * z - dl_s[r])
+                for x in range(DV):
+                    dv_j[x] += pz * do_s[r, x]
+                for x in range(D):
+                    dk_j[x] += ds * q_s[r, x]  # q_s already holds tau Q
+        if j < nk:
+            for x in range(D):
+                dk[b, j, x] = dk_j[x]
+            for x in range(DV):
+                dv[b, j, x] = dv_j[x]
+
+    return backward_kv
+
+
+def _make_backward_q(D, DV):
+    """dQ: one thread per query row; key chunks staged in SRAM."""
+    NT, CH = _backward_sizes(D, DV)
+    DP, DVP = D + 1, DV + 1  # padded own rows: conflict-free reads
+
+    @cuda.jit
+    def backward_q(q, k, v, do, lse, delta, dq, scale, causal, offset, left,
+                   right, kv_len, mask, use_mask, seed, threshold,
+                   use_dropout, drop_scale):
+        q_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
+        do_s = cuda.shared.array((NT, DVP), float32)
+        k_s = cuda.shared.array((CH, D), float32)
+        v_s = cuda.shared.array((CH, DV), float32)
+        dq_i = cuda.local.array(D, float32)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * NT
+        i = i0 + t
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + NT, nq)
+        for x in range(D):
+            q_s[t, x] = q[b, i, x] * scale if i < nq else _F0
+            dq_i[x] = _F0
+        for x in range(DV):
+            do_s[t, x] = do[b, i, x] if i < nq else _F0
+        lse_i = lse[b, i] if i < nq else _NEG_INF
+        d_i = delta[b, i] if i < nq else _F0
+        for j0 in range(0, nk, CH):
+            if _tile_skipped(i0, i1, j0, min(j0 + CH, nk), causal, offset,
+                             left, right, kv_len[b]):
+                continue
+            cuda.syncthreads()  # the previous chunk is no longer read
+            for e in range(t, CH * D, NT):
+                r, x = e // D, e % D
+                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
+            for e in range(t, CH * DV, NT):
+                r, x = e // DV, e % DV
+                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            cuda.syncthreads()  # the chunk of K and V is loaded
+            for c in range(CH):
+                if not _allowed(b, i, j0 + c, nq, nk, causal, offset, left,
+                                right, kv_len, mask, use_mask):
+                    continue
+                s = _F0
+                for x in range(D):
+                    s += q_s[t, x] * k_s[c, x]
+                p = _row_probability(s, lse_i, _LOWEST)
+                dp = _F0
+                for x in range(DV):
+                    dp += do_s[t, x] * v_s[c, x]
+                z = _dropout_weight(b, i, j0 + c, seed, threshold,
+                                    use_dropout, drop_scale)
+                ds = p * (dp * z - d_i) * scale
+                for x in range(D):
+                    dq_i[x] += ds * k_s[c, x]
+        if i < nq:
+            for x in range(D):
+                dq[b, i, x] = dq_i[x]
+
+    return backward_q
+
+
+_FACTORIES = {
+    "forward_v1": _make_v1,
+    "forward_v2": _make_v2,
+    "forward_v3": _make_v3,
+    "backward_kv": _make_backward_kv,
+    "backward_q": _make_backward_q,
+}
+
+
+def _launch_forward(version, d, dv, bh, nq):
+    """(kernel, grid, block) of a forward version."""
+    if version == 3:
+        br, _ = _tiles(d, dv)
+        return (_kernel("forward_v3", d, dv),
+                (math.ceil(nq / br), bh), THREADS)
+    rows = THREADS if version == 1 else 64
+    return (_kernel(f"forward_v{version}", d, dv),
+            (math.ceil(nq / rows), bh), rows)
+
+
+# ---------------------------------------------------------------- hosts
+
+def _check_device_inputs(named):
+    """float32, head dims 16..128 in steps of 16; returns dims (d, dv)."""
+    for name, x in named:
+        if str(x.dtype).removeprefix("torch.") != "float32":
+            raise TypeError(
+                f"{name}: flashlab.gpu computes in float32, got dtype "
+                f"{x.dtype}"
+            )
+    d, dv = named[0][1].shape[-1], named[2][1].shape[-1]
+    for name, size in (("q", d), ("v", dv)):
+        if size % 16 or not 16 <= size <= 128:
+            raise ValueError(
+                f"{name}: expected a head dim in 16, 32, ..., 128 for "
+                f"flashlab.gpu, got {size}"
+            )
+    return d, dv
+
+
+class _Device:
+    """Moves arrays of one kind (numpy, numba device, torch) to kernels."""
+
+    def __init__(self, like):
+        self.torch = type(like).__module__.startswith("torch")
+        self.numpy = isinstance(like, np.ndarray)
+
+    def to_kernel(self, x, shape):
+        """A device view (or copy, for numpy) of x with the given shape."""
+        if self.torch:
+            return cuda.as_cuda_array(x.detach().contiguous().view(shape))
+        if self.numpy:
+            return cuda.to_device(np.ascontiguousarray(x).reshape(shape))
+        return x.reshape(shape)
+
+    def empty(self, shape, like):
+        """An uninitialized float32 output and its device view."""
+        if self.torch:
+            import torch
+
+            out = torch.empty(shape, dtype=torch.float32, device=like.device)
+            if POISON_OUTPUTS:
+                out.fill_(float("nan"))
+            return out, cuda.as_cuda_array(out)
+        if POISON_OUTPUTS:
+            dev = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+        else:
+            dev = cuda.device_array(shape, dtype=np.float32)
+        return dev, dev
+
+    def result(self, out, shape):
+        """The output in the caller's kind, with the caller's shape."""
+        if self.torch:
+            return out.view(shape)
+        if self.numpy:
+            return out.copy_to_host().reshape(shape)
+        return out.reshape(shape)
+
+
+def _prepare(q, k, v, options):
+    d, dv = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    _, _, _, batch, p, a = kernel_args.flatten(
+        *(kernel_args.proxy(x) for x in (q, k, v)), options)
+    bh = int(np.prod(batch))
+    scalars = (np.float32(a.scale), a.causal, a.offset, a.left, a.right,
+               cuda.to_device(a.kv_len),
+               cuda.to_device(a.mask.astype(np.uint8)), a.use_mask, a.seed,
+               a.threshold, a.use_dropout, np.float32(a.drop_scale))
+    return d, dv, batch, bh, p, scalars
+
+
+def attention(q, k, v, *, version=3, return_lse=False, **options):
+    """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
+
+    Arrays may be torch CUDA tensors (used in place), numba device arrays,
+    or numpy arrays (copied over and back); the result is of the same
+    kind. Options as tiled.attention, without block sizes.
+    """
+    if version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got "
+                         f"{version!r}")
+    d, dv, batch, bh, p, scalars = _prepare(q, k, v, options)
+    dev = _Device(q)
+    qk = dev.to_kernel(q, (bh, p.nq, d))
+    kk = dev.to_kernel(k, (bh, p.nk, d))
+    vk = dev.to_kernel(v, (bh, p.nk, dv))
+    o, o_k = dev.empty((bh, p.nq, dv), q)
+    lse, lse_k = dev.empty((bh, p.nq), q)
+    kernel, grid, block = _launch_forward(version, d, dv, bh, p.nq)
+    kernel[grid, block](qk, kk, vk, o_k, lse_k, *scalars)
+    o = dev.result(o, (*batch, p.nq, dv))
+    return (o, dev.result(lse, (*batch, p.nq))) if return_lse else o
+
+
+def attention_backward(q, k, v, o, lse, do, **options):
+    """GPU gradients (dq, dk, dv); deterministic. Arguments as the forward."""
+    d, dv, batch, bh, p, scalars = _prepare(q, k, v, options)
+    tiled._check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
+    dev = _Device(q)
+    qk = dev.to_kernel(q, (bh, p.nq, d))
+    kk = dev.to_kernel(k, (bh, p.nk, d))
+    vk = dev.to_kernel(v, (bh, p.nk, dv))
+    ok = dev.to_kernel(o, (bh, p.nq, dv))
+    dok = dev.to_kernel(do, (bh, p.nq, dv))
+    lsek = dev.to_kernel(lse, (bh, p.nq))
+    delta, delta_k = dev.empty((bh, p.nq), q)
+    _row_dot[(math.ceil(p.nq / THREADS), bh), THREADS](dok, ok, delta_k)
+    dq, dq_k = dev.empty((bh, p.nq, d), q)
+    dk, dk_k = dev.empty((bh, p.nk, d), q)
+    dvv, dv_k = dev.empty((bh, p.nk, dv), q)
+    nt, _ = _backward_sizes(d, dv)
+    _kernel("backward_kv", d, dv)[(math.ceil(p.nk / nt), bh), nt](
+        qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *scalars)
+    _kernel("backward_q", d, dv)[(math.ceil(p.nq / nt), bh), nt](
+        qk, kk, vk, dok, lsek, delta_k, dq_k, *scalars)
+    return (dev.result(dq, (*batch, p.nq, d)),
+            dev.result(dk, (*batch, p.nk, d)),
+            dev.result(dvv, (*batch, p.nk, dv)))
+
+
+@cuda.jit
+def _row_dot(do, o, delta):
+    """D_i = rowsum(dO_i * O_i), one thread per row."""
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < o.shape[1]:
+        acc = _F0
+        for x in range(o.shape[2]):
+            acc += do[b, i, x] * o[b, i, x]
+        delta[b, i] = acc
+
+
+# ------------------------------------------------------- compile checks
+
+def _signature(name):
+    """Argument types of a kernel, for compiling without a GPU."""
+    from numba import boolean, int64, uint8
+
+    a3 = float32[:, :, ::1]
+    a2 = float32[:, ::1]
+    rules = (float32, boolean, int64, int64, int64, int64[::1],
+             uint8[:, :, ::1], boolean, uint64, uint64, boolean, float32)
+    arrays = {
+        "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3),
+        "backward_q": (a3, a3, a3, a3, a2, a2, a3),
+    }.get(name, (a3, a3, a3, a3, a2))
+    return (*arrays, *rules)
+
+
+def kernel_names():
+    """Every kernel flashlab.gpu can launch."""
+    return tuple(_FACTORIES)
+
+
+def compile_ptx(name, d, dv, cc=(9, 0)):
+    """PTX of kernel `name` for head dims d, dv; needs no GPU.
+
+    numba-cuda compiles device functions for the current device's compute
+    capability, which a machine without a GPU does not have; for the
+    duration of this call it is told `cc` instead.
+    """
+    from types import SimpleNamespace
+
+    from numba.cuda import dispatcher
+
+    kernel = _FACTORIES[name](d, dv)
+    real = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(
+        compute_capability=cc)
+    try:
+        ptx, _ = cuda.compile_ptx(kernel.py_func, _signature(name), cc=cc)
+    finally:
+        dispatcher.get_current_device = real
+    return ptx

@@ -1,0 +1,91 @@
+"""The numba CPU kernels against the reference and the tiled path."""
+
+import numpy as np
+import pytest
+
+from flashlab import cpu, reference, tiled
+from helpers import float32_budget, max_abs_err, qkv
+
+OPTIONS = [
+    dict(),
+    dict(causal=True, block_q=16, block_k=8),
+    dict(causal="bottom_right", block_q=7, block_k=5),
+    dict(window=(6, 2), block_q=8, block_k=8),
+    dict(dropout_p=0.3, seed=11, block_q=16, block_k=16),
+]
+
+
+def _random(rng, dtype):
+    nq, nk = (int(x) for x in rng.integers(1, 70, size=2))
+    return qkv(rng, (2, 2), nq, nk, 16, 8, dtype=dtype), nq, nk
+
+
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_float64_forward_and_backward_match_tiled(rng, opts):
+    (q, k, v), nq, nk = _random(rng, np.float64)
+    mask = rng.random((2, 1, nq, nk)) < 0.8
+    lengths = rng.integers(0, nk + 1, size=(2, 1))
+    for extra in (dict(), dict(mask=mask, kv_lengths=lengths)):
+        o, lse = cpu.attention(q, k, v, return_lse=True, **opts, **extra)
+        o_ref, lse_ref = reference.attention(
+            q, k, v, return_lse=True,
+            **{x: y for x, y in {**opts, **extra}.items()
+               if x not in ("block_q", "block_k")})
+        assert max_abs_err(o, o_ref) < 1e-12
+        finite = np.isfinite(lse_ref)
+        assert np.array_equal(finite, np.isfinite(lse))
+        assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-12
+        do = rng.standard_normal(o.shape)
+        got = cpu.attention_backward(q, k, v, o, lse, do, **opts, **extra)
+        want = tiled.attention_backward(q, k, v, o, lse, do, **opts,
+                                        **extra)
+        for g, w in zip(got, want):
+            assert max_abs_err(g, w) < 1e-12
+
+
+@pytest.mark.parametrize("opts", OPTIONS[:3])
+def test_float32_within_twice_naive_error(rng, opts):
+    (q, k, v), nq, nk = _random(rng, np.float32)
+    o = cpu.attention(q, k, v, **opts)
+    plain = {x: y for x, y in opts.items() if x not in ("block_q",
+                                                        "block_k")}
+    o_ref = reference.attention(q, k, v, **plain)
+    err_naive = max_abs_err(reference.naive(q, k, v, **plain), o_ref)
+    assert o.dtype == np.float32
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
+
+
+def test_fully_masked_rows_and_huge_scores(rng):
+    q, k, v = qkv(rng, (), 9, 13, 4, 3)
+    q *= 100  # scores of order 1e4
+    mask = rng.random((9, 13)) < 0.5
+    mask[3] = False
+    o, lse = cpu.attention(q, k, v, mask=mask, return_lse=True,
+                           block_q=4, block_k=4)
+    assert np.all(o[3] == 0) and lse[3] == -np.inf
+    assert np.all(np.isfinite(o))
+    assert max_abs_err(o, reference.attention(q, k, v, mask=mask)) < 1e-12
+
+
+def test_deterministic_across_thread_counts(rng):
+    import numba
+
+    q, k, v = qkv(rng, (3,), 50, 50, 8, 8, dtype=np.float32)
+    do = rng.standard_normal((3, 50, 8)).astype(np.float32)
+    results = []
+    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+        numba.set_num_threads(threads)
+        o, lse = cpu.attention(q, k, v, return_lse=True, block_q=8)
+        results.append((o, *cpu.attention_backward(q, k, v, o, lse, do,
+                                                   block_q=8)))
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    for a, b in zip(*results):
+        assert np.array_equal(a, b)
+
+
+def test_bad_input():
+    x = np.zeros((4, 4))
+    with pytest.raises(ValueError, match="block_k"):
+        cpu.attention(x, x, x, block_k=0)
+    with pytest.raises(ValueError, match="do: expected shape"):
+        cpu.attention_backward(x, x, x, x, np.zeros(4), np.zeros((3, 4)))

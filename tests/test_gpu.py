@@ -1,0 +1,182 @@
+"""The numba.cuda kernels: on the simulator here, on a real GPU with -m gpu.
+
+Every output buffer is filled with NaN before the kernels run
+(gpu.POISON_OUTPUTS), so an element left unwritten fails the comparison.
+Simulator sizes stay small (N <= 128): it runs each thread in Python.
+"""
+
+import numpy as np
+import pytest
+
+from conftest import SIMULATOR
+from flashlab import cpu, gpu, reference, tiled
+from helpers import float32_budget, max_abs_err, qkv
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def check_forward(q, k, v, version, **opts):
+    """Output and lse within twice the error of naive float32."""
+    o, lse = gpu.attention(q, k, v, version=version, return_lse=True,
+                           **opts)
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
+    err_naive = max_abs_err(reference.naive(q, k, v, **opts), o_ref)
+    assert o.dtype == np.float32 and not np.isnan(o).any()
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
+    finite = np.isfinite(lse_ref)
+    assert np.array_equal(finite, np.isfinite(lse))
+    tol = 8 * np.finfo(np.float32).eps * max(1.0, np.abs(lse_ref[finite])
+                                             .max(initial=0))
+    assert max_abs_err(lse[finite], lse_ref[finite]) <= tol
+    return o, lse
+
+
+def check_backward(q, k, v, o, lse, **opts):
+    """Gradients within twice naive float32's error, and deterministic."""
+    rng = np.random.default_rng(1)
+    do = rng.standard_normal(o.shape).astype(np.float32)
+    got = gpu.attention_backward(q, k, v, o, lse, do, **opts)
+    again = gpu.attention_backward(q, k, v, o, lse, do, **opts)
+    for a, b in zip(got, again):
+        assert np.array_equal(a, b)  # no atomics: bitwise repeatable
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    o64, lse64 = tiled.attention(q64, k64, v64, return_lse=True, **opts)
+    want = tiled.attention_backward(q64, k64, v64, o64, lse64,
+                                    do.astype(np.float64), **opts)
+    naive = tiled.attention_backward(q, k, v, *tiled.attention(
+        q, k, v, return_lse=True, block_q=10**9, block_k=10**9, **opts),
+        do, block_q=10**9, block_k=10**9, **opts)  # one tile: the naive way
+    for g, w, n in zip(got, want, naive):
+        assert not np.isnan(g).any()
+        assert max_abs_err(g, w) <= float32_budget(max_abs_err(n, w), w)
+
+
+SIM_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal="bottom_right", window=(9, 3)),
+    dict(dropout_p=0.25, seed=77),
+]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
+@pytest.mark.parametrize("version", gpu.VERSIONS)
+@pytest.mark.parametrize("opts", SIM_CASES)
+def test_simulator_forward(rng, version, opts):
+    nq, nk = (int(x) for x in rng.integers(1, 70, size=2))
+    q, k, v = qkv(rng, (1, 2), nq, nk, 16, 16, dtype=np.float32)
+    check_forward(q, k, v, version, **opts)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
+def test_simulator_masks_padding_and_backward(rng):
+    nq, nk = 37, 45
+    q, k, v = qkv(rng, (2, 1), nq, nk, 16, 16, dtype=np.float32)
+    mask = rng.random((2, 1, nq, nk)) < 0.7
+    mask[0, 0, 5] = False  # an empty row
+    opts = dict(mask=mask, kv_lengths=np.array([[45], [20]]))
+    o, lse = check_forward(q, k, v, 3, **opts)
+    assert np.all(o[0, 0, 5] == 0) and lse[0, 0, 5] == -np.inf
+    check_backward(q, k, v, o, lse, **opts)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
+def test_simulator_backward_causal_dropout(rng):
+    q, k, v = qkv(rng, (1,), 70, 40, 32, 16, dtype=np.float32)
+    opts = dict(causal="bottom_right", dropout_p=0.2, seed=5)
+    o, lse = check_forward(q, k, v, 3, **opts)
+    check_backward(q, k, v, o, lse, **opts)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
+def test_dropout_matches_the_cpu_path(rng):
+    q, k, v = qkv(rng, (2,), 33, 33, 16, 16, dtype=np.float32)
+    opts = dict(dropout_p=0.4, seed=2024, causal=True)
+    got = gpu.attention(q, k, v, **opts)
+    want = cpu.attention(q.astype(np.float64), k.astype(np.float64),
+                         v.astype(np.float64), **opts)
+    assert max_abs_err(got, want) < 1e-5  # same mask, float32 rounding
+
+
+def test_bad_input():
+    x = np.zeros((4, 16), np.float32)
+    with pytest.raises(TypeError, match="q: flashlab.gpu computes in"):
+        gpu.attention(x.astype(np.float64), x, x)
+    with pytest.raises(ValueError, match="q: expected a head dim"):
+        gpu.attention(x[:, :8], x[:, :8], x)
+    with pytest.raises(ValueError, match="version"):
+        gpu.attention(x, x, x, version=4)
+    with pytest.raises(ValueError, match="mask"):
+        gpu.attention(x, x, x, mask=np.ones((3, 4), bool))
+
+
+# ------------------------------------------------ real GPU (pytest -m gpu)
+
+GPU_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal="bottom_right"),
+    dict(window=(100, 0), causal=True),
+    dict(dropout_p=0.1, seed=3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", gpu.VERSIONS)
+@pytest.mark.parametrize("opts", GPU_CASES)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_gpu_forward_random_shapes(rng, version, opts, d):
+    nq, nk = (int(x) for x in rng.integers(1, 700, size=2))
+    q, k, v = qkv(rng, (2, 3), nq, nk, d, d, dtype=np.float32, spread=1.5)
+    check_forward(q, k, v, version, **opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", GPU_CASES)
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (32, 96)])
+def test_gpu_backward_random_shapes(rng, opts, d, dv):
+    nq, nk = (int(x) for x in rng.integers(1, 500, size=2))
+    q, k, v = qkv(rng, (2, 2), nq, nk, d, dv, dtype=np.float32)
+    mask = rng.random((2, 1, nq, nk)) < 0.9
+    o, lse = check_forward(q, k, v, 3, mask=mask, **opts)
+    check_backward(q, k, v, o, lse, mask=mask, **opts)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_tensors_in_place_and_autograd(rng):
+    import torch
+    import torch.nn.functional as F
+
+    from flashlab import torch as fl_torch
+
+    q, k, v = (torch.tensor(x, device="cuda", requires_grad=True)
+               for x in qkv(rng, (2, 4), 300, 300, 64, 64, np.float32))
+    do = torch.randn(2, 4, 300, 64, device="cuda")
+    out = fl_torch.attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    sdpa_grads = torch.autograd.grad(sdpa, (q, k, v), do)
+    for mine, theirs, truth in zip((out, *grads), (sdpa, *sdpa_grads),
+                                   (ref, *ref_grads)):
+        e_mine = float((mine.double() - truth).abs().max())
+        e_torch = float((theirs.double() - truth).abs().max())
+        floor = 8 * np.finfo(np.float32).eps * float(truth.abs().max())
+        assert e_mine <= max(2 * e_torch, floor)
+
+
+@pytest.mark.gpu
+def test_gpu_numba_device_arrays(rng):
+    from numba import cuda
+
+    q, k, v = qkv(rng, (3,), 257, 129, 32, 32, dtype=np.float32)
+    o = gpu.attention(*(cuda.to_device(x) for x in (q, k, v)), causal=True)
+    got = o.copy_to_host()
+    o_ref = reference.attention(q, k, v, causal=True)
+    err_naive = max_abs_err(reference.naive(q, k, v, causal=True), o_ref)
+    assert max_abs_err(got, o_ref) <= float32_budget(err_naive, o_ref)
