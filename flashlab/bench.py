@@ -1,0 +1,297 @@
+"""Benchmarks: flashlab against torch on the same inputs, in one run.
+
+    python -m flashlab.bench [--cpu] [--no-gpu] [--quick] [--out DIR]
+
+GPU (float32, B=2, H=8, d=64, N = 1024, 4096, 16384, causal and not):
+forward TFLOP/s of each flashlab.gpu version, of torch's memory-efficient
+scaled_dot_product_attention and of materialized torch attention, and the
+backward of flashlab.gpu against torch's memory-efficient backward; the
+peak memory of a forward at N = 131072. CPU (2 threads, float32, N = 4096,
+d = 64): flashlab.cpu against torch's scaled_dot_product_attention.
+Times are medians over many runs after warm-up; FLOPs are 4 B H N^2 d for
+the forward and 10 B H N^2 d for the backward, halved when causal.
+Writes bench.csv and bench.png to --out and prints a table with ratios.
+Timings are never asserted anywhere: this is a measurement, not a test.
+"""
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+FIELDS = ("device", "impl", "pass", "causal", "B", "H", "N", "d", "ms",
+          "tflops", "vs_torch")
+
+
+def _progress(step, total, label):
+    width = 24
+    done = int(width * step / total)
+    print(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} {label:<40}",
+          end="", file=sys.stderr, flush=True)
+
+
+def _gpu_time(fn, reps):
+    """Median milliseconds of fn() by CUDA events, after two warm-ups."""
+    import torch
+
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def _cpu_time(fn, reps):
+    """Median milliseconds of fn() by the wall clock, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _flops(b, h, n, d, causal, backward=False):
+    f = (10 if backward else 4) * b * h * n * n * d
+    return f / 2 if causal else f
+
+
+def gpu_rows(sizes, reps, versions):
+    """Forward and backward measurements on the current CUDA device."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import gpu
+
+    b, h, d = 2, 8, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    plan = [(n, c) for n in sizes for c in (False, True)]
+    total = len(plan) * (len(versions) + 4)
+    step = 0
+    rows = []
+    for n, causal in plan:
+        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen)
+                       for _ in range(4))
+        impls = {f"flashlab v{ver}": (lambda ver=ver: gpu.attention(
+            q, k, v, version=ver, causal=causal)) for ver in versions}
+
+        def efficient():
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v,
+                                                      is_causal=causal)
+
+        keep = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+
+        def materialized():
+            s = (q @ k.transpose(-1, -2)) * d**-0.5
+            if causal:
+                s = s.masked_fill(~keep, float("-inf"))
+            return torch.softmax(s, -1) @ v
+
+        impls["torch efficient"] = efficient
+        impls["torch materialized"] = materialized
+        measured = {}
+        for name, fn in impls.items():
+            step += 1
+            _progress(step, total, f"forward {name} N={n} causal={causal}")
+            measured[name] = _gpu_time(fn, reps(n))
+        for name, ms in measured.items():
+            rows.append(_row("gpu", name, "forward", causal, b, h, n, d, ms,
+                             _flops(b, h, n, d, causal),
+                             measured["torch efficient"] / ms))
+        # backward: flashlab's two kernels against torch's efficient path
+        o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
+        step += 1
+        _progress(step, total, f"backward flashlab N={n} causal={causal}")
+        ms_ours = _gpu_time(lambda: gpu.attention_backward(
+            q, k, v, o, lse, do, causal=causal), reps(n))
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            out = F.scaled_dot_product_attention(qg, kg, vg,
+                                                 is_causal=causal)
+        step += 1
+        _progress(step, total, f"backward torch N={n} causal={causal}")
+        ms_torch = _gpu_time(lambda: torch.autograd.grad(
+            out, (qg, kg, vg), do, retain_graph=True), reps(n))
+        for name, ms in (("flashlab v3", ms_ours),
+                         ("torch efficient", ms_torch)):
+            rows.append(_row("gpu", name, "backward", causal, b, h, n, d,
+                             ms, _flops(b, h, n, d, causal, True),
+                             ms_torch / ms))
+        del q, k, v, do, o, lse, out, qg, kg, vg, keep
+        torch.cuda.empty_cache()
+    print(file=sys.stderr)
+    return rows
+
+
+def gpu_memory(n=131072, bh=16, d=64):
+    """Peak device memory of one forward against inputs + output + lse."""
+    import torch
+
+    from flashlab import gpu
+
+    torch.cuda.empty_cache()
+    q, k, v = (torch.randn(1, bh, n, d, device="cuda") for _ in range(3))
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    o, lse = gpu.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated()
+    need = 3 * q.nbytes + o.nbytes + lse.nbytes
+    extra = peak - base - o.nbytes - lse.nbytes
+    return dict(n=n, bh=bh, d=d, peak_gib=peak / 2**30,
+                need_gib=need / 2**30, ratio=peak / need,
+                extra_bytes=extra, seconds=seconds)
+
+
+def cpu_rows(reps=5, n=4096, b=1, h=4, d=64, threads=2):
+    """flashlab.cpu against torch's CPU attention, float32."""
+    import numba
+    import torch
+    import torch.nn.functional as F
+
+    from flashlab import cpu
+
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, h, n, d), dtype=np.float32)
+               for _ in range(3))
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    rows = []
+    for step, causal in enumerate((False, True), 1):
+        _progress(step, 2, f"cpu N={n} causal={causal}")
+        ms_torch = _cpu_time(lambda: F.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=causal), reps)
+        ms_ours = _cpu_time(lambda: cpu.attention(q, k, v, causal=causal),
+                            reps)
+        for name, ms in (("flashlab cpu", ms_ours), ("torch sdpa", ms_torch)):
+            rows.append(_row(f"cpu x{threads}", name, "forward", causal, b,
+                             h, n, d, ms, _flops(b, h, n, d, causal),
+                             ms_torch / ms))
+    print(file=sys.stderr)
+    return rows
+
+
+def _row(device, impl, pass_, causal, b, h, n, d, ms, flops, ratio):
+    return dict(device=device, impl=impl, **{"pass": pass_},
+                causal=causal, B=b, H=h, N=n, d=d, ms=round(ms, 4),
+                tflops=round(flops / ms / 1e9, 3), vs_torch=round(ratio, 3))
+
+
+def table(rows):
+    """The measurements as a fixed-width text table."""
+    head = (f"{'device':<8} {'pass':<8} {'impl':<19} {'causal':<6} "
+            f"{'N':>6} {'ms':>10} {'TFLOP/s':>8} {'vs torch':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['device']:<8} {r['pass']:<8} {r['impl']:<19} "
+            f"{str(r['causal']):<6} {r['N']:>6} {r['ms']:>10.3f} "
+            f"{r['tflops']:>8.2f} {r['vs_torch']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    """TFLOP/s against N for each forward implementation on the GPU."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, causal in zip(axes, (False, True)):
+        sel = [r for r in rows if r["device"] == "gpu"
+               and r["pass"] == "forward" and r["causal"] == causal]
+        for impl in dict.fromkeys(r["impl"] for r in sel):
+            pts = [(r["N"], r["tflops"]) for r in sel if r["impl"] == impl]
+            ax.plot(*zip(*pts), "o-", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_title("causal" if causal else "full")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("forward TFLOP/s (float32)")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def machine():
+    """One line naming the machine and the library versions."""
+    parts = [platform.processor() or platform.machine(),
+             f"{os.cpu_count()} cpus", f"python {platform.python_version()}",
+             f"numpy {np.__version__}"]
+    try:
+        import torch
+
+        parts.append(f"torch {torch.__version__}")
+        if torch.cuda.is_available():
+            parts.insert(0, torch.cuda.get_device_name())
+    except ImportError:
+        pass
+    import numba
+
+    parts.append(f"numba {numba.__version__}")
+    return ", ".join(parts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m flashlab.bench",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--no-gpu", action="store_true", help="skip the GPU")
+    ap.add_argument("--cpu", action="store_true", help="run the CPU bench")
+    ap.add_argument("--quick", action="store_true",
+                    help="N = 1024 and 4096 only, fewer repetitions")
+    ap.add_argument("--versions", default="1,2,3",
+                    help="flashlab.gpu forward versions to time")
+    ap.add_argument("--out", default=".", help="folder for csv and png")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    print("machine:", machine())
+    rows, memory = [], None
+    if not args.no_gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            ap.error("no CUDA device: use --no-gpu --cpu")
+        sizes = (1024, 4096) if args.quick else (1024, 4096, 16384)
+        versions = [int(x) for x in args.versions.split(",")]
+        rows += gpu_rows(sizes, lambda n: 5 if n > 8192 else 20, versions)
+        if not args.quick:
+            memory = gpu_memory()
+    if args.cpu:
+        rows += cpu_rows(reps=3 if args.quick else 5)
+    with open(os.path.join(args.out, "bench.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    if any(r["device"] == "gpu" for r in rows):
+        plot(rows, os.path.join(args.out, "bench.png"))
+    print(table(rows))
+    if memory:
+        print(f"memory: forward at N={memory['n']}, B*H={memory['bh']}, "
+              f"d={memory['d']}, causal: peak {memory['peak_gib']:.3f} GiB "
+              f"for {memory['need_gib']:.3f} GiB of inputs, output and lse "
+              f"({memory['ratio']:.4f}x, {memory['seconds']:.1f} s)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
