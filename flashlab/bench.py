@@ -72,69 +72,72 @@ def _flops(b, h, n, d, causal, backward=False):
 def gpu_rows(sizes, reps, versions):
     """Forward and backward measurements on the current CUDA device."""
     import torch
+
+    plan = [(n, c) for n in sizes for c in (False, True)]
+    counter = iter(range(1, len(plan) * (len(versions) + 4) + 1))
+    rows = []
+    for n, causal in plan:
+        rows += _gpu_case(n, causal, reps(n), versions,
+                          lambda label: _progress(next(counter),
+                                                  len(plan) * (len(versions)
+                                                               + 4), label))
+        torch.cuda.empty_cache()
+    print(file=sys.stderr)
+    return rows
+
+
+def _gpu_case(n, causal, reps, versions, tick, b=2, h=8, d=64):
+    """All GPU measurements of one (N, causal) point."""
+    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashlab import gpu
 
-    b, h, d = 2, 8, 64
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    plan = [(n, c) for n in sizes for c in (False, True)]
-    total = len(plan) * (len(versions) + 4)
-    step = 0
-    rows = []
-    for n, causal in plan:
-        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen)
-                       for _ in range(4))
-        impls = {f"flashlab v{ver}": (lambda ver=ver: gpu.attention(
-            q, k, v, version=ver, causal=causal)) for ver in versions}
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen)
+                   for _ in range(4))
+    keep = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
 
-        def efficient():
-            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v,
-                                                      is_causal=causal)
+    def flashlab_version(version):
+        return lambda: gpu.attention(q, k, v, version=version, causal=causal)
 
-        keep = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
-
-        def materialized():
-            s = (q @ k.transpose(-1, -2)) * d**-0.5
-            if causal:
-                s = s.masked_fill(~keep, float("-inf"))
-            return torch.softmax(s, -1) @ v
-
-        impls["torch efficient"] = efficient
-        impls["torch materialized"] = materialized
-        measured = {}
-        for name, fn in impls.items():
-            step += 1
-            _progress(step, total, f"forward {name} N={n} causal={causal}")
-            measured[name] = _gpu_time(fn, reps(n))
-        for name, ms in measured.items():
-            rows.append(_row("gpu", name, "forward", causal, b, h, n, d, ms,
-                             _flops(b, h, n, d, causal),
-                             measured["torch efficient"] / ms))
-        # backward: flashlab's two kernels against torch's efficient path
-        o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
-        step += 1
-        _progress(step, total, f"backward flashlab N={n} causal={causal}")
-        ms_ours = _gpu_time(lambda: gpu.attention_backward(
-            q, k, v, o, lse, do, causal=causal), reps(n))
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    def efficient():
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            out = F.scaled_dot_product_attention(qg, kg, vg,
-                                                 is_causal=causal)
-        step += 1
-        _progress(step, total, f"backward torch N={n} causal={causal}")
-        ms_torch = _gpu_time(lambda: torch.autograd.grad(
-            out, (qg, kg, vg), do, retain_graph=True), reps(n))
-        for name, ms in (("flashlab v3", ms_ours),
-                         ("torch efficient", ms_torch)):
-            rows.append(_row("gpu", name, "backward", causal, b, h, n, d,
-                             ms, _flops(b, h, n, d, causal, True),
-                             ms_torch / ms))
-        del q, k, v, do, o, lse, out, qg, kg, vg, keep
-        torch.cuda.empty_cache()
-    print(file=sys.stderr)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def materialized():
+        s = (q @ k.transpose(-1, -2)) * d**-0.5  # (B, H, N, N) in HBM
+        if causal:
+            s = s.masked_fill(~keep, float("-inf"))
+        return torch.softmax(s, -1) @ v
+
+    impls = {f"flashlab v{ver}": flashlab_version(ver) for ver in versions}
+    impls["torch efficient"] = efficient
+    impls["torch materialized"] = materialized
+    measured = {}
+    for name, fn in impls.items():
+        tick(f"forward {name} N={n} causal={causal}")
+        measured[name] = _gpu_time(fn, reps)
+    base = measured["torch efficient"]
+    rows = [_row("gpu", name, "forward", causal, b, h, n, d, ms,
+                 _flops(b, h, n, d, causal), base / ms)
+            for name, ms in measured.items()]
+
+    # backward: flashlab's two kernels against torch's efficient path
+    o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
+    tick(f"backward flashlab N={n} causal={causal}")
+    ms_ours = _gpu_time(lambda: gpu.attention_backward(
+        q, k, v, o, lse, do, causal=causal), reps)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+    tick(f"backward torch N={n} causal={causal}")
+    ms_torch = _gpu_time(lambda: torch.autograd.grad(
+        out, (qg, kg, vg), do, retain_graph=True), reps)
+    for name, ms in (("flashlab v3", ms_ours), ("torch efficient", ms_torch)):
+        rows.append(_row("gpu", name, "backward", causal, b, h, n, d, ms,
+                         _flops(b, h, n, d, causal, True), ms_torch / ms))
     return rows
 
 
@@ -175,17 +178,20 @@ def cpu_rows(reps=5, n=4096, b=1, h=4, d=64, threads=2):
     q, k, v = (rng.standard_normal((b, h, n, d), dtype=np.float32)
                for _ in range(3))
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    rows = []
-    for step, causal in enumerate((False, True), 1):
-        _progress(step, 2, f"cpu N={n} causal={causal}")
+    def timed(causal):
         ms_torch = _cpu_time(lambda: F.scaled_dot_product_attention(
             tq, tk, tv, is_causal=causal), reps)
         ms_ours = _cpu_time(lambda: cpu.attention(q, k, v, causal=causal),
                             reps)
-        for name, ms in (("flashlab cpu", ms_ours), ("torch sdpa", ms_torch)):
-            rows.append(_row(f"cpu x{threads}", name, "forward", causal, b,
-                             h, n, d, ms, _flops(b, h, n, d, causal),
-                             ms_torch / ms))
+        return [_row(f"cpu x{threads}", name, "forward", causal, b, h, n, d,
+                     ms, _flops(b, h, n, d, causal), ms_torch / ms)
+                for name, ms in (("flashlab cpu", ms_ours),
+                                 ("torch sdpa", ms_torch))]
+
+    rows = []
+    for step, causal in enumerate((False, True), 1):
+        _progress(step, 2, f"cpu N={n} causal={causal}")
+        rows += timed(causal)
     print(file=sys.stderr)
     return rows
 

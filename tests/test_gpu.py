@@ -7,8 +7,8 @@ Simulator sizes stay small (N <= 128): it runs each thread in Python.
 
 import numpy as np
 import pytest
-
 from conftest import SIMULATOR
+
 from flashlab import cpu, gpu, reference, tiled
 from helpers import float32_budget, max_abs_err, qkv
 
