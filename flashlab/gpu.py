@@ -13,7 +13,9 @@ The forward kernel exists in numbered versions that all stay correct:
 - v2: one thread per query row, K/V tiles staged in shared memory and
   shared by the whole block;
 - v3: a 64 x 32 score tile per block of 128 threads, each thread holding
-  a 4 x 4 piece of S and a 4-row slice of the output in registers.
+  a 4 x 4 piece of S and a 4-row slice of the output in registers;
+- v4: v3 with the row softmax done by every thread on its own piece of
+  S, partial maxima and sums meeting in shared memory.
 
 The backward pass is two kernels without atomics (dK/dV with one thread
 per key row, dQ with one thread per query row), so its gradients are
@@ -30,7 +32,7 @@ from flashlab import dropout, kernel_args, masks, merge, tiled
 if not hasattr(np, "row_stack"):  # numpy >= 2.5 removed it; numba-cuda
     np.row_stack = np.vstack  # 0.30 still calls it while compiling
 
-VERSIONS = (1, 2, 3)
+VERSIONS = (1, 2, 3, 4)
 # Tests set this to fill every output with NaN before a kernel runs, so an
 # element a kernel fails to write cannot pass for a right answer.
 POISON_OUTPUTS = False
@@ -329,6 +331,135 @@ def _make_v3(D, DV):
     return forward_v3
 
 
+def _make_v4(D, DV):
+    """v4: v3 with the row softmax spread over all threads, in registers.
+
+    In v3 one thread per row runs the max, exp and sum of a whole tile row
+    while the other half of the block waits. Here every thread works on
+    its own RM x CN piece of S: partial row maxima and sums meet in shared
+    memory, and each thread rescales and exponentiates in registers.
+    """
+    BR, BC = _tiles(D, DV)
+    RM = 4
+    TY = BR // RM
+    TX = THREADS // TY
+    CN = BC // TX
+    OC = DV // TX
+    DP = D + 1
+    BCP = BC + 1
+
+    @cuda.jit
+    def forward_v4(q, k, v, o, lse, scale, causal, offset, left, right,
+                   kv_len, mask, use_mask, seed, threshold, use_dropout,
+                   drop_scale):
+        q_s = cuda.shared.array((BR, DP), float32)
+        k_s = cuda.shared.array((BC, DP), float32)
+        v_s = cuda.shared.array((BC, DV), float32)
+        p_s = cuda.shared.array((BR, BCP), float32)
+        red_s = cuda.shared.array((BR, TX), float32)  # partial maxima
+        acc = cuda.local.array((RM, OC), float32)
+        s = cuda.local.array((RM, CN), float32)
+        m = cuda.local.array(RM, float32)  # every thread of a row keeps
+        l = cuda.local.array(RM, float32)  # the same m and l
+        qa = cuda.local.array(RM, float32)
+        vv = cuda.local.array(OC, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * BR
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BR, nq)
+        kv = kv_len[b]
+        for e in range(t, BR * D, THREADS):
+            r, x = e // D, e % D
+            q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
+        for a in range(RM):
+            m[a] = _NEG_INF
+            l[a] = _F0
+            for c in range(OC):
+                acc[a, c] = _F0
+        cuda.syncthreads()  # Q_i is in SRAM before tile 0
+        for j0 in range(0, nk, BC):
+            j1 = min(j0 + BC, nk)
+            if _tile_skipped(i0, i1, j0, j1, causal, offset, left, right,
+                             kv):
+                continue  # uniform over the block: barriers stay aligned
+            full = (not use_mask and j1 - j0 == BC
+                    and _tile_full(i0, i1, j0, j1, causal, offset, left,
+                                   right, kv))
+            for e in range(t, BC * D, THREADS):
+                r, x = e // D, e % D
+                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
+            for e in range(t, BC * DV, THREADS):
+                r, x = e // DV, e % DV
+                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            cuda.syncthreads()  # K_j, V_j loaded before any thread reads
+            for a in range(RM):
+                for c in range(CN):
+                    s[a, c] = _F0
+            for x in range(D):
+                for a in range(RM):
+                    qa[a] = q_s[ty * RM + a, x]
+                for c in range(CN):
+                    kc = k_s[tx * CN + c, x]
+                    for a in range(RM):
+                        s[a, c] += qa[a] * kc
+            for a in range(RM):  # mask, and this thread's row maxima
+                part = _NEG_INF
+                for c in range(CN):
+                    if not (full or _allowed(
+                            b, i0 + ty * RM + a, j0 + tx * CN + c, nq, nk,
+                            causal, offset, left, right, kv_len, mask,
+                            use_mask)):
+                        s[a, c] = _NEG_INF
+                    part = max(part, s[a, c])
+                red_s[ty * RM + a, tx] = part
+            cuda.syncthreads()  # all partial maxima written
+            for a in range(RM):
+                r = ty * RM + a
+                tile_max = red_s[r, 0]
+                for c in range(1, TX):
+                    tile_max = max(tile_max, red_s[r, c])
+                m[a], shift, alpha = _row_step(m[a], tile_max, _LOWEST)
+                part = _F0
+                for c in range(CN):
+                    p = math.exp(s[a, c] - shift)
+                    part += p
+                    p_s[r, tx * CN + c] = p * _dropout_weight(
+                        b, i0 + r, j0 + tx * CN + c, seed, threshold,
+                        use_dropout, drop_scale)
+                l[a] = alpha * l[a] + part  # this thread's share of l
+                for c in range(OC):
+                    acc[a, c] *= alpha
+            cuda.syncthreads()  # P_ij complete before the O update
+            for col in range(BC):
+                for c in range(OC):
+                    vv[c] = v_s[col, tx + TX * c]
+                for a in range(RM):
+                    p = p_s[ty * RM + a, col]
+                    for c in range(OC):
+                        acc[a, c] += p * vv[c]
+            cuda.syncthreads()  # K_j, V_j, P_ij, red_s free for reuse
+        # l is split over the TX threads of a row: add the shares up
+        for a in range(RM):
+            red_s[ty * RM + a, tx] = l[a]
+        cuda.syncthreads()  # every share of l written
+        for a in range(RM):
+            r = ty * RM + a
+            total = _F0
+            for c in range(TX):
+                total += red_s[r, c]
+            if i0 + r < nq:
+                for c in range(OC):
+                    o[b, i0 + r, tx + TX * c] = (acc[a, c] / total
+                                                 if total > _F0 else _F0)
+                if tx == 0:
+                    lse[b, i0 + r] = (m[a] + math.log(total)
+                                      if total > _F0 else _NEG_INF)
+
+    return forward_v4
+
+
 def _backward_sizes(D, DV):
     """(threads per block, rows per staged chunk) of the backward kernels."""
     return (64, 16) if max(D, DV) <= 64 else (32, 8)
@@ -473,6 +604,7 @@ _FACTORIES = {
     "forward_v1": _make_v1,
     "forward_v2": _make_v2,
     "forward_v3": _make_v3,
+    "forward_v4": _make_v4,
     "backward_kv": _make_backward_kv,
     "backward_q": _make_backward_q,
 }
@@ -480,9 +612,9 @@ _FACTORIES = {
 
 def _launch_forward(version, d, dv, bh, nq):
     """(kernel, grid, block) of a forward version."""
-    if version == 3:
+    if version >= 3:
         br, _ = _tiles(d, dv)
-        return (_kernel("forward_v3", d, dv),
+        return (_kernel(f"forward_v{version}", d, dv),
                 (math.ceil(nq / br), bh), THREADS)
     rows = THREADS if version == 1 else 64
     return (_kernel(f"forward_v{version}", d, dv),
@@ -515,11 +647,18 @@ class _Device:
     def __init__(self, like):
         self.torch = type(like).__module__.startswith("torch")
         self.numpy = isinstance(like, np.ndarray)
+        self.stream = 0
+        if self.torch:  # launch on torch's stream: ordered, no syncs
+            import torch
+
+            self.stream = cuda.external_stream(
+                torch.cuda.current_stream(like.device).cuda_stream)
 
     def to_kernel(self, x, shape):
         """A device view (or copy, for numpy) of x with the given shape."""
         if self.torch:
-            return cuda.as_cuda_array(x.detach().contiguous().view(shape))
+            return cuda.as_cuda_array(x.detach().contiguous().view(shape),
+                                      sync=False)
         if self.numpy:
             return cuda.to_device(np.ascontiguousarray(x).reshape(shape))
         return x.reshape(shape)
@@ -532,7 +671,7 @@ class _Device:
             out = torch.empty(shape, dtype=torch.float32, device=like.device)
             if POISON_OUTPUTS:
                 out.fill_(float("nan"))
-            return out, cuda.as_cuda_array(out)
+            return out, cuda.as_cuda_array(out, sync=False)
         if POISON_OUTPUTS:
             dev = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
         else:
@@ -554,13 +693,31 @@ def _prepare(q, k, v, options):
         *(kernel_args.proxy(x) for x in (q, k, v)), options)
     bh = int(np.prod(batch))
     scalars = (np.float32(a.scale), a.causal, a.offset, a.left, a.right,
-               cuda.to_device(a.kv_len),
-               cuda.to_device(a.mask.astype(np.uint8)), a.use_mask, a.seed,
-               a.threshold, a.use_dropout, np.float32(a.drop_scale))
+               _on_device(a.kv_len, options.get("kv_lengths") is None),
+               _on_device(a.mask.astype(np.uint8), not a.use_mask),
+               a.use_mask, a.seed, a.threshold, a.use_dropout,
+               np.float32(a.drop_scale))
     return d, dv, batch, bh, p, scalars
 
 
-def attention(q, k, v, *, version=3, return_lse=False, **options):
+_constants = {}
+
+
+def _on_device(x, constant):
+    """x on the device; copied once and kept when it is a default value.
+
+    The kv_len of unpadded batches and the unused mask are the same for
+    every call of a shape, so only the first call pays for the copy.
+    """
+    if not constant:
+        return cuda.to_device(x)
+    key = (x.dtype.str, x.shape, x.tobytes())
+    if key not in _constants:
+        _constants[key] = cuda.to_device(x)
+    return _constants[key]
+
+
+def attention(q, k, v, *, version=4, return_lse=False, **options):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Arrays may be torch CUDA tensors (used in place), numba device arrays,
@@ -578,7 +735,7 @@ def attention(q, k, v, *, version=3, return_lse=False, **options):
     o, o_k = dev.empty((bh, p.nq, dv), q)
     lse, lse_k = dev.empty((bh, p.nq), q)
     kernel, grid, block = _launch_forward(version, d, dv, bh, p.nq)
-    kernel[grid, block](qk, kk, vk, o_k, lse_k, *scalars)
+    kernel[grid, block, dev.stream](qk, kk, vk, o_k, lse_k, *scalars)
     o = dev.result(o, (*batch, p.nq, dv))
     return (o, dev.result(lse, (*batch, p.nq))) if return_lse else o
 
@@ -595,14 +752,17 @@ def attention_backward(q, k, v, o, lse, do, **options):
     dok = dev.to_kernel(do, (bh, p.nq, dv))
     lsek = dev.to_kernel(lse, (bh, p.nq))
     delta, delta_k = dev.empty((bh, p.nq), q)
-    _row_dot[(math.ceil(p.nq / THREADS), bh), THREADS](dok, ok, delta_k)
+    _row_dot[(math.ceil(p.nq / THREADS), bh), THREADS, dev.stream](
+        dok, ok, delta_k)
     dq, dq_k = dev.empty((bh, p.nq, d), q)
     dk, dk_k = dev.empty((bh, p.nk, d), q)
     dvv, dv_k = dev.empty((bh, p.nk, dv), q)
     nt, _ = _backward_sizes(d, dv)
-    _kernel("backward_kv", d, dv)[(math.ceil(p.nk / nt), bh), nt](
+    _kernel("backward_kv", d, dv)[(math.ceil(p.nk / nt), bh), nt,
+                                  dev.stream](
         qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *scalars)
-    _kernel("backward_q", d, dv)[(math.ceil(p.nq / nt), bh), nt](
+    _kernel("backward_q", d, dv)[(math.ceil(p.nq / nt), bh), nt,
+                                 dev.stream](
         qk, kk, vk, dok, lsek, delta_k, dq_k, *scalars)
     return (dev.result(dq, (*batch, p.nq, d)),
             dev.result(dk, (*batch, p.nk, d)),
