@@ -135,7 +135,7 @@ def _gpu_case(n, causal, reps, versions, tick, b=2, h=8, d=64):
     tick(f"backward torch N={n} causal={causal}")
     ms_torch = _gpu_time(lambda: torch.autograd.grad(
         out, (qg, kg, vg), do, retain_graph=True), reps)
-    for name, ms in (("flashlab v3", ms_ours), ("torch efficient", ms_torch)):
+    for name, ms in (("flashlab", ms_ours), ("torch efficient", ms_torch)):
         rows.append(_row("gpu", name, "backward", causal, b, h, n, d, ms,
                          _flops(b, h, n, d, causal, True), ms_torch / ms))
     return rows
@@ -265,7 +265,7 @@ def main(argv=None):
     ap.add_argument("--cpu", action="store_true", help="run the CPU bench")
     ap.add_argument("--quick", action="store_true",
                     help="N = 1024 and 4096 only, fewer repetitions")
-    ap.add_argument("--versions", default="1,2,3",
+    ap.add_argument("--versions", default="1,2,3,4",
                     help="flashlab.gpu forward versions to time")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)

@@ -28,9 +28,12 @@ def check_forward(q, k, v, version, **opts):
     assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
     finite = np.isfinite(lse_ref)
     assert np.array_equal(finite, np.isfinite(lse))
-    tol = 8 * np.finfo(np.float32).eps * max(1.0, np.abs(lse_ref[finite])
-                                             .max(initial=0))
-    assert max_abs_err(lse[finite], lse_ref[finite]) <= tol
+    # lse = m + log(l): summing Nk terms into l in float32 can lose up to
+    # Nk eps relative (recursive summation), which log turns into Nk eps
+    # absolute; the final add rounds at |lse| eps.
+    eps = float(np.finfo(np.float32).eps)
+    tol = eps * (k.shape[-2] + 8 * (1 + np.abs(lse_ref[finite])))
+    assert np.all(np.abs(lse[finite] - lse_ref[finite]) <= tol)
     return o, lse
 
 
