@@ -22,6 +22,7 @@ per key row, dQ with one thread per query row), so its gradients are
 bitwise identical from run to run.
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -151,6 +152,7 @@ def _make_v2(D, DV):
         v_s = cuda.shared.array((BC, DV), float32)
         q_i = cuda.local.array(D, float32)
         acc = cuda.local.array(DV, float32)
+        pv = cuda.local.array(DV, float32)  # this tile's P_ij V_j
         s = cuda.local.array(BC, float32)
         t = cuda.threadIdx.x
         rows = cuda.blockDim.x
@@ -189,16 +191,21 @@ def _make_v2(D, DV):
                     s[c] = _NEG_INF
                 tile_max = max(tile_max, s[c])
             m, shift, alpha = _row_step(m, tile_max, _LOWEST)
-            l *= alpha
+            # Sum the tile on its own, then add it: a blocked sum, whose
+            # rounding grows with Bc + N / Bc instead of N.
+            row_sum = _F0
             for x in range(DV):
-                acc[x] *= alpha
+                pv[x] = _F0
             for c in range(BC):
                 p = math.exp(s[c] - shift)
-                l += p
+                row_sum += p
                 p *= _dropout_weight(b, i, j0 + c, seed, threshold,
                                      use_dropout, drop_scale)
                 for x in range(DV):
-                    acc[x] += p * v_s[c, x]
+                    pv[x] += p * v_s[c, x]
+            l = alpha * l + row_sum
+            for x in range(DV):
+                acc[x] = alpha * acc[x] + pv[x]
             cuda.syncthreads()  # every row is done with K_j, V_j
         if i < nq:
             _store_row(o, lse, b, i, acc, m, l, DV)
@@ -229,6 +236,8 @@ def _make_v3(D, DV):
         l_s = cuda.shared.array(BR, float32)
         a_s = cuda.shared.array(BR, float32)
         acc = cuda.local.array((RM, OC), float32)
+        pv = cuda.local.array((RM, OC), float32)  # this tile's P_ij V_j
+        al = cuda.local.array(RM, float32)  # each row's alpha
         s = cuda.local.array((RM, CN), float32)
         qa = cuda.local.array(RM, float32)
         vv = cuda.local.array(OC, float32)
@@ -306,16 +315,21 @@ def _make_v3(D, DV):
             cuda.syncthreads()  # P_ij and alpha ready for the O update
             # O_i = alpha O_i + P_ij V_j: RM rows x OC columns per thread
             for a in range(RM):
-                alpha = a_s[ty * RM + a]
+                al[a] = a_s[ty * RM + a]
+            for a in range(RM):
                 for c in range(OC):
-                    acc[a, c] *= alpha
-            for col in range(BC):
+                    pv[a, c] = _F0
+            for col in range(BC):  # blocked: the tile's sum on its own
                 for c in range(OC):
                     vv[c] = v_s[col, tx + TX * c]
                 for a in range(RM):
                     p = p_s[ty * RM + a, col]
                     for c in range(OC):
-                        acc[a, c] += p * vv[c]
+                        pv[a, c] += p * vv[c]
+            for a in range(RM):
+                alpha = al[a]
+                for c in range(OC):
+                    acc[a, c] = alpha * acc[a, c] + pv[a, c]
             cuda.syncthreads()  # K_j, V_j, P_ij consumed before reuse
         for a in range(RM):
             r = ty * RM + a
@@ -358,6 +372,8 @@ def _make_v4(D, DV):
         p_s = cuda.shared.array((BR, BCP), float32)
         red_s = cuda.shared.array((BR, TX), float32)  # partial maxima
         acc = cuda.local.array((RM, OC), float32)
+        pv = cuda.local.array((RM, OC), float32)  # this tile's P_ij V_j
+        al = cuda.local.array(RM, float32)  # each row's alpha
         s = cuda.local.array((RM, CN), float32)
         m = cuda.local.array(RM, float32)  # every thread of a row keeps
         l = cuda.local.array(RM, float32)  # the same m and l
@@ -429,16 +445,22 @@ def _make_v4(D, DV):
                         b, i0 + r, j0 + tx * CN + c, seed, threshold,
                         use_dropout, drop_scale)
                 l[a] = alpha * l[a] + part  # this thread's share of l
-                for c in range(OC):
-                    acc[a, c] *= alpha
+                al[a] = alpha
             cuda.syncthreads()  # P_ij complete before the O update
-            for col in range(BC):
+            for a in range(RM):
+                for c in range(OC):
+                    pv[a, c] = _F0
+            for col in range(BC):  # blocked: the tile's sum on its own
                 for c in range(OC):
                     vv[c] = v_s[col, tx + TX * c]
                 for a in range(RM):
                     p = p_s[ty * RM + a, col]
                     for c in range(OC):
-                        acc[a, c] += p * vv[c]
+                        pv[a, c] += p * vv[c]
+            for a in range(RM):
+                alpha = al[a]
+                for c in range(OC):
+                    acc[a, c] = alpha * acc[a, c] + pv[a, c]
             cuda.syncthreads()  # K_j, V_j, P_ij, red_s free for reuse
         # l is split over the TX threads of a row: add the shares up
         for a in range(RM):
@@ -482,6 +504,8 @@ def _make_backward_kv(D, DV):
         dl_s = cuda.shared.array(CH, float32)
         dk_j = cuda.local.array(D, float32)
         dv_j = cuda.local.array(DV, float32)
+        pk = cuda.local.array(D, float32)  # this chunk's share, summed
+        pvv = cuda.local.array(DV, float32)  # apart (a blocked sum)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.y
         j0 = cuda.blockIdx.x * NT
@@ -510,6 +534,10 @@ def _make_backward_kv(D, DV):
                 lse_s[t] = lse[b, i0 + t] if inside else _NEG_INF
                 dl_s[t] = delta[b, i0 + t] if inside else _F0
             cuda.syncthreads()  # the chunk of Q, dO, lse, D is loaded
+            for x in range(D):
+                pk[x] = _F0
+            for x in range(DV):
+                pvv[x] = _F0
             for r in range(CH):
                 if not _allowed(b, i0 + r, j, nq, nk, causal, offset, left,
                                 right, kv_len, mask, use_mask):
@@ -526,9 +554,13 @@ def _make_backward_kv(D, DV):
                 pz = p * z
                 ds = p * (dp * z - dl_s[r])
                 for x in range(DV):
-                    dv_j[x] += pz * do_s[r, x]
+                    pvv[x] += pz * do_s[r, x]
                 for x in range(D):
-                    dk_j[x] += ds * q_s[r, x]  # q_s already holds tau Q
+                    pk[x] += ds * q_s[r, x]  # q_s already holds tau Q
+            for x in range(D):
+                dk_j[x] += pk[x]
+            for x in range(DV):
+                dv_j[x] += pvv[x]
         if j < nk:
             for x in range(D):
                 dk[b, j, x] = dk_j[x]
@@ -552,6 +584,7 @@ def _make_backward_q(D, DV):
         k_s = cuda.shared.array((CH, D), float32)
         v_s = cuda.shared.array((CH, DV), float32)
         dq_i = cuda.local.array(D, float32)
+        pq = cuda.local.array(D, float32)  # this chunk's share
         t = cuda.threadIdx.x
         b = cuda.blockIdx.y
         i0 = cuda.blockIdx.x * NT
@@ -577,6 +610,8 @@ def _make_backward_q(D, DV):
                 r, x = e // DV, e % DV
                 v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
             cuda.syncthreads()  # the chunk of K and V is loaded
+            for x in range(D):
+                pq[x] = _F0
             for c in range(CH):
                 if not _allowed(b, i, j0 + c, nq, nk, causal, offset, left,
                                 right, kv_len, mask, use_mask):
@@ -592,7 +627,9 @@ def _make_backward_q(D, DV):
                                     use_dropout, drop_scale)
                 ds = p * (dp * z - d_i) * scale
                 for x in range(D):
-                    dq_i[x] += ds * k_s[c, x]
+                    pq[x] += ds * k_s[c, x]
+            for x in range(D):
+                dq_i[x] += pq[x]
         if i < nq:
             for x in range(D):
                 dq[b, i, x] = dq_i[x]
@@ -803,23 +840,30 @@ def kernel_names():
     return tuple(_FACTORIES)
 
 
-def compile_ptx(name, d, dv, cc=(9, 0)):
-    """PTX of kernel `name` for head dims d, dv; needs no GPU.
+@contextlib.contextmanager
+def _compiling_without_gpu(cc):
+    """Let numba-cuda compile device functions with no GPU present.
 
-    numba-cuda compiles device functions for the current device's compute
-    capability, which a machine without a GPU does not have; for the
-    duration of this call it is told `cc` instead.
+    It asks the current device for its compute capability when it
+    compiles a device function; a machine without a GPU has none, so for
+    the duration it is told `cc` instead.
     """
     from types import SimpleNamespace
 
     from numba.cuda import dispatcher
 
-    kernel = _FACTORIES[name](d, dv)
     real = dispatcher.get_current_device
     dispatcher.get_current_device = lambda: SimpleNamespace(
         compute_capability=cc)
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, _signature(name), cc=cc)
+        yield
     finally:
         dispatcher.get_current_device = real
+
+
+def compile_ptx(name, d, dv, cc=(9, 0)):
+    """PTX of kernel `name` for head dims d, dv; needs no GPU."""
+    kernel = _FACTORIES[name](d, dv)
+    with _compiling_without_gpu(cc):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, _signature(name), cc=cc)
     return ptx

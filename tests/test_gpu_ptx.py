@@ -2,58 +2,30 @@
 within the static shared-memory limit.
 
 The simulator accepts things real hardware rejects and never shows the
-PTX, so the kernels are also compiled for real here, in a subprocess
+PTX, so the kernels are also compiled for real here, in a fresh process
 without NUMBA_ENABLE_CUDASIM (numba reads that flag once per process).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-SHARED_LIMIT = 48 * 1024  # static shared memory per block
-HEAD_DIMS = [(16, 16), (64, 64), (128, 128)]
+from flashlab import gpu, ptx
 
-SCRIPT = r"""
-import json, re, sys
-from flashlab import gpu
-report = {}
-for name in gpu.kernel_names():
-    for d, dv in json.loads(sys.argv[1]):
-        ptx = gpu.compile_ptx(name, d, dv)
-        body = [line for line in ptx.splitlines()
-                if not line.lstrip().startswith("//")]
-        report[f"{name} {d} {dv}"] = {
-            "f64": sum(bool(re.search(r"\.f64\b", line)) for line in body),
-            "shared": sum(int(n) for n in re.findall(
-                r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx)),
-            "exp": len(re.findall(r"ex2\.approx", ptx)),
-        }
-print(json.dumps(report))
-"""
+SHARED_LIMIT = 48 * 1024  # static shared memory per block
 
 
 @pytest.fixture(scope="module")
 def report():
-    env = {x: y for x, y in os.environ.items()
-           if x != "NUMBA_ENABLE_CUDASIM"}
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(HEAD_DIMS)], env=env,
-        capture_output=True, text=True, check=False, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return ptx.run_report()
 
 
 def test_every_kernel_was_compiled(report):
-    from flashlab import gpu
-
-    assert len(report) == len(gpu.kernel_names()) * len(HEAD_DIMS)
+    kernels = [k for k in report if not k.startswith("demo")]
+    assert len(kernels) == len(gpu.kernel_names()) * len(ptx.HEAD_DIMS)
 
 
 def test_no_float64_in_any_kernel(report):
-    bad = {k: r["f64"] for k, r in report.items() if r["f64"]}
+    bad = {k: r["f64"] for k, r in report.items()
+           if r["f64"] and not k.startswith("demo")}
     assert not bad, f"float64 instructions in {bad}"
 
 
@@ -68,3 +40,19 @@ def test_forward_kernels_use_fast_float32_exp(report):
     for key, r in report.items():
         if key.startswith("forward"):
             assert r["exp"] > 0, key
+
+
+def test_the_check_can_see_float64(report):
+    # the demo with a Python float literal must be caught, or the
+    # zero counts above would prove nothing
+    assert report["demo literal 0.0"]["f64"] > 0
+    assert report["demo float32(0.0)"]["f64"] == 0
+
+
+def test_counters_on_known_text():
+    text = ("\tadd.f64 \t%fd1, %fd2, %fd3;\n// add.f64 in a comment\n"
+            ".shared .align 4 .b8 _smem[4096];\n"
+            "\tex2.approx.ftz.f32 %f1, %f2;")
+    assert ptx.float64_ops(text) == 1
+    assert ptx.shared_bytes(text) == 4096
+    assert ptx.fast_exps(text) == 1

@@ -1,0 +1,109 @@
+"""What the GPU kernels compile to, read on a machine without a GPU.
+
+    python -m flashlab.ptx        # JSON: float64 ops and shared memory
+
+`report` compiles every flashlab.gpu kernel to PTX for compute capability
+9.0 and counts float64 instructions, static shared memory and fast exps.
+`literal_demo` compiles one small device computation twice, with a Python
+float literal and with float32 constants, to show where float64 creeps
+in. numba reads NUMBA_ENABLE_CUDASIM once per process and the simulator
+cannot compile, so callers that may run on the simulator call `run_report`,
+which asks a fresh process. See chapter 9.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from numba import float32
+
+HEAD_DIMS = ((16, 16), (64, 64), (128, 128))
+
+
+def float64_ops(ptx):
+    """Number of instruction lines that touch float64 (.f64) values."""
+    return sum(bool(re.search(r"\.f64\b", line))
+               for line in ptx.splitlines()
+               if not line.lstrip().startswith("//"))
+
+
+def shared_bytes(ptx):
+    """Bytes of statically declared shared memory."""
+    return sum(int(n) for n in re.findall(
+        r"\.shared \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+
+
+def fast_exps(ptx):
+    """Number of ex2.approx instructions (how float32 exp is lowered)."""
+    return len(re.findall(r"ex2\.approx", ptx))
+
+
+def report(head_dims=HEAD_DIMS):
+    """{"kernel d dv": {"f64", "shared", "exp"}} for every GPU kernel."""
+    from flashlab import gpu
+
+    out = {}
+    for name in gpu.kernel_names():
+        for d, dv in head_dims:
+            ptx = gpu.compile_ptx(name, d, dv)
+            out[f"{name} {d} {dv}"] = {"f64": float64_ops(ptx),
+                                       "shared": shared_bytes(ptx),
+                                       "exp": fast_exps(ptx)}
+    out.update(literal_demo())
+    return out
+
+
+def _with_literal(x, m):
+    # 0.0 and 1.0 are Python floats, so numba types them float64
+    return max(x - m, 0.0) + 1.0
+
+
+def _with_float32(x, m):
+    return max(x - m, float32(0.0)) + float32(1.0)
+
+
+def literal_demo():
+    """float64 op counts of a float32 kernel with and without literals."""
+    from numba import cuda
+
+    from flashlab.gpu import _compiling_without_gpu
+
+    def kernel_for(body):
+        dev = cuda.jit(device=True)(body)
+
+        def kernel(x, out):
+            i = cuda.grid(1)
+            if i < x.size:
+                out[i] = dev(x[i], x[0])
+
+        return kernel
+
+    counts = {}
+    for name, body in (("literal 0.0", _with_literal),
+                       ("float32(0.0)", _with_float32)):
+        kernel = kernel_for(body)
+        with _compiling_without_gpu((9, 0)):
+            ptx, _ = cuda.compile_ptx(kernel, (float32[::1], float32[::1]),
+                                      cc=(9, 0))
+        counts[f"demo {name}"] = {"f64": float64_ops(ptx),
+                                  "shared": shared_bytes(ptx),
+                                  "exp": fast_exps(ptx)}
+    return counts
+
+
+def run_report(timeout=900):
+    """`report()` computed in a fresh process without the simulator."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-m", "flashlab.ptx"], env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"PTX report failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)
+
+
+if __name__ == "__main__":
+    print(json.dumps(report()))
