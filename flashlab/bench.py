@@ -141,6 +141,20 @@ def _gpu_case(n, causal, reps, versions, tick, b=2, h=8, d=64):
     return rows
 
 
+def gpu_ceilings(n=8192, reps=10):
+    """Measured roofs: float32 matmul (no TF32) and device copy bandwidth."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a, b = (torch.randn(n, n, device="cuda") for _ in range(2))
+    ms = _gpu_time(lambda: a @ b, reps)
+    x = torch.empty(2**30 // 4 * 4, device="cuda")  # 4 GiB of float32
+    y = torch.empty_like(x)
+    ms_copy = _gpu_time(lambda: y.copy_(x), reps)
+    return dict(fp32_tflops=2 * n**3 / ms / 1e9,
+                copy_tbps=2 * x.nbytes / ms_copy / 1e9)
+
+
 def gpu_memory(n=131072, bh=16, d=64):
     """Peak device memory of one forward against inputs + output + lse."""
     import torch
@@ -267,10 +281,17 @@ def main(argv=None):
                     help="N = 1024 and 4096 only, fewer repetitions")
     ap.add_argument("--versions", default="1,2,3,4",
                     help="flashlab.gpu forward versions to time")
+    ap.add_argument("--ceilings", action="store_true",
+                    help="only measure the float32 and bandwidth roofs")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     print("machine:", machine())
+    if args.ceilings:
+        roofs = gpu_ceilings()
+        print(f"ceilings: float32 matmul {roofs['fp32_tflops']:.1f} TFLOP/s,"
+              f" device copy {roofs['copy_tbps']:.2f} TB/s")
+        return roofs
     rows, memory = [], None
     if not args.no_gpu:
         import torch
