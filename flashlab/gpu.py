@@ -39,6 +39,7 @@ VERSIONS = (1, 2, 3, 4)
 POISON_OUTPUTS = False
 THREADS = 128  # threads per block of v1 and v3
 _F0 = np.float32(0)
+_F1 = np.float32(1)
 _NEG_INF = np.float32(-np.inf)
 _LOWEST = np.float32(np.finfo(np.float32).min)
 
@@ -63,6 +64,20 @@ def _allowed(b, i, j, nq, nk, causal, offset, left, right, kv_len, mask,
 
 
 @cuda.jit(device=True)
+def _stage(dst, src, b, r0, rows, cols, scale, t, nthreads):
+    """HBM -> SRAM: rows r0.. of src[b], times scale, into dst[:rows].
+
+    Called by every thread of the block with its own t; rows past the end
+    of src are zero-filled, so ragged tiles need no special case.
+    """
+    n = src.shape[1]
+    for e in range(t, rows * cols, nthreads):
+        r = e // cols
+        x = e - r * cols
+        dst[r, x] = src[b, r0 + r, x] * scale if r0 + r < n else _F0
+
+
+@cuda.jit(device=True)
 def _dropout_weight(b, i, j, seed, threshold, use_dropout, drop_scale):
     """1 / (1 - p) for a kept pair, 0 for a dropped one, 1 without dropout."""
     if not use_dropout:
@@ -70,6 +85,48 @@ def _dropout_weight(b, i, j, seed, threshold, use_dropout, drop_scale):
     if _keep_bits(seed, uint64(b), uint64(i), uint64(j)) < threshold:
         return _F0
     return drop_scale
+
+
+@cuda.jit(device=True)
+def _score_piece(s, qa, q_s, k_s, r0, c0, rm, cn, d):
+    """s[:rm, :cn] = rows r0.. of Q_i (SRAM) times cols c0.. of K_j^T.
+
+    Each value loaded from SRAM feeds rm or cn multiply-adds: the point
+    of register blocking. rm, cn, d are compile-time constants of the
+    caller, so the loops unroll and s, qa stay in registers.
+    """
+    for a in range(rm):
+        for c in range(cn):
+            s[a, c] = _F0
+    for x in range(d):
+        for a in range(rm):
+            qa[a] = q_s[r0 + a, x]
+        for c in range(cn):
+            kc = k_s[c0 + c, x]
+            for a in range(rm):
+                s[a, c] += qa[a] * kc
+
+
+@cuda.jit(device=True)
+def _output_piece(acc, pv, vv, al, p_s, v_s, r0, tx, rm, oc, bc, tx_n):
+    """acc = al * acc + P_ij V_j for rows r0.. and columns tx, tx + tx_n..
+
+    The tile's product is summed on its own first (a blocked sum: rounding
+    grows with Bc + N / Bc rather than N), then added to the rescaled acc.
+    """
+    for a in range(rm):
+        for c in range(oc):
+            pv[a, c] = _F0
+    for col in range(bc):
+        for c in range(oc):
+            vv[c] = v_s[col, tx + tx_n * c]
+        for a in range(rm):
+            p = p_s[r0 + a, col]
+            for c in range(oc):
+                pv[a, c] += p * vv[c]
+    for a in range(rm):
+        for c in range(oc):
+            acc[a, c] = al[a] * acc[a, c] + pv[a, c]
 
 
 def _tiles(d, dv):
@@ -172,12 +229,8 @@ def _make_v2(D, DV):
                              left, right, kv_len[b]):
                 continue  # the same decision in every thread of the block
             # HBM -> SRAM: K_j, V_j (Bc (d + dv) floats), used by all rows
-            for e in range(t, BC * D, rows):
-                r, x = e // D, e % D
-                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
-            for e in range(t, BC * DV, rows):
-                r, x = e // DV, e % DV
-                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            _stage(k_s, k, b, j0, BC, D, _F1, t, rows)
+            _stage(v_s, v, b, j0, BC, DV, _F1, t, rows)
             cuda.syncthreads()  # K_j, V_j fully loaded before any read
             tile_max = _NEG_INF
             for c in range(BC):
@@ -249,9 +302,7 @@ def _make_v3(D, DV):
         i1 = min(i0 + BR, nq)
         kv = kv_len[b]
         # HBM -> SRAM once: Q_i scaled by tau (Br d floats)
-        for e in range(t, BR * D, THREADS):
-            r, x = e // D, e % D
-            q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
+        _stage(q_s, q, b, i0, BR, D, scale, t, THREADS)
         if t < BR:
             m_s[t] = _NEG_INF
             l_s[t] = _F0
@@ -268,24 +319,11 @@ def _make_v3(D, DV):
                     and _tile_full(i0, i1, j0, j1, causal, offset, left,
                                    right, kv))
             # HBM -> SRAM: K_j, V_j (Bc (d + dv) floats), used by Br rows
-            for e in range(t, BC * D, THREADS):
-                r, x = e // D, e % D
-                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
-            for e in range(t, BC * DV, THREADS):
-                r, x = e // DV, e % DV
-                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            _stage(k_s, k, b, j0, BC, D, _F1, t, THREADS)
+            _stage(v_s, v, b, j0, BC, DV, _F1, t, THREADS)
             cuda.syncthreads()  # K_j, V_j loaded before any thread reads
             # S_ij = Q_i K_j^T: a RM x CN piece per thread, in registers
-            for a in range(RM):
-                for c in range(CN):
-                    s[a, c] = _F0
-            for x in range(D):
-                for a in range(RM):
-                    qa[a] = q_s[ty * RM + a, x]
-                for c in range(CN):
-                    kc = k_s[tx * CN + c, x]
-                    for a in range(RM):
-                        s[a, c] += qa[a] * kc
+            _score_piece(s, qa, q_s, k_s, ty * RM, tx * CN, RM, CN, D)
             for a in range(RM):
                 r = ty * RM + a
                 for c in range(CN):
@@ -316,20 +354,8 @@ def _make_v3(D, DV):
             # O_i = alpha O_i + P_ij V_j: RM rows x OC columns per thread
             for a in range(RM):
                 al[a] = a_s[ty * RM + a]
-            for a in range(RM):
-                for c in range(OC):
-                    pv[a, c] = _F0
-            for col in range(BC):  # blocked: the tile's sum on its own
-                for c in range(OC):
-                    vv[c] = v_s[col, tx + TX * c]
-                for a in range(RM):
-                    p = p_s[ty * RM + a, col]
-                    for c in range(OC):
-                        pv[a, c] += p * vv[c]
-            for a in range(RM):
-                alpha = al[a]
-                for c in range(OC):
-                    acc[a, c] = alpha * acc[a, c] + pv[a, c]
+            _output_piece(acc, pv, vv, al, p_s, v_s, ty * RM, tx, RM, OC,
+                          BC, TX)
             cuda.syncthreads()  # K_j, V_j, P_ij consumed before reuse
         for a in range(RM):
             r = ty * RM + a
@@ -386,9 +412,7 @@ def _make_v4(D, DV):
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         kv = kv_len[b]
-        for e in range(t, BR * D, THREADS):
-            r, x = e // D, e % D
-            q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
+        _stage(q_s, q, b, i0, BR, D, scale, t, THREADS)
         for a in range(RM):
             m[a] = _NEG_INF
             l[a] = _F0
@@ -403,23 +427,10 @@ def _make_v4(D, DV):
             full = (not use_mask and j1 - j0 == BC
                     and _tile_full(i0, i1, j0, j1, causal, offset, left,
                                    right, kv))
-            for e in range(t, BC * D, THREADS):
-                r, x = e // D, e % D
-                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
-            for e in range(t, BC * DV, THREADS):
-                r, x = e // DV, e % DV
-                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            _stage(k_s, k, b, j0, BC, D, _F1, t, THREADS)
+            _stage(v_s, v, b, j0, BC, DV, _F1, t, THREADS)
             cuda.syncthreads()  # K_j, V_j loaded before any thread reads
-            for a in range(RM):
-                for c in range(CN):
-                    s[a, c] = _F0
-            for x in range(D):
-                for a in range(RM):
-                    qa[a] = q_s[ty * RM + a, x]
-                for c in range(CN):
-                    kc = k_s[tx * CN + c, x]
-                    for a in range(RM):
-                        s[a, c] += qa[a] * kc
+            _score_piece(s, qa, q_s, k_s, ty * RM, tx * CN, RM, CN, D)
             for a in range(RM):  # mask, and this thread's row maxima
                 part = _NEG_INF
                 for c in range(CN):
@@ -447,20 +458,8 @@ def _make_v4(D, DV):
                 l[a] = alpha * l[a] + part  # this thread's share of l
                 al[a] = alpha
             cuda.syncthreads()  # P_ij complete before the O update
-            for a in range(RM):
-                for c in range(OC):
-                    pv[a, c] = _F0
-            for col in range(BC):  # blocked: the tile's sum on its own
-                for c in range(OC):
-                    vv[c] = v_s[col, tx + TX * c]
-                for a in range(RM):
-                    p = p_s[ty * RM + a, col]
-                    for c in range(OC):
-                        pv[a, c] += p * vv[c]
-            for a in range(RM):
-                alpha = al[a]
-                for c in range(OC):
-                    acc[a, c] = alpha * acc[a, c] + pv[a, c]
+            _output_piece(acc, pv, vv, al, p_s, v_s, ty * RM, tx, RM, OC,
+                          BC, TX)
             cuda.syncthreads()  # K_j, V_j, P_ij, red_s free for reuse
         # l is split over the TX threads of a row: add the shares up
         for a in range(RM):
@@ -523,12 +522,8 @@ def _make_backward_kv(D, DV):
                              left, right, kv_len[b]):
                 continue
             cuda.syncthreads()  # the previous chunk is no longer read
-            for e in range(t, CH * D, NT):
-                r, x = e // D, e % D
-                q_s[r, x] = q[b, i0 + r, x] * scale if i0 + r < nq else _F0
-            for e in range(t, CH * DV, NT):
-                r, x = e // DV, e % DV
-                do_s[r, x] = do[b, i0 + r, x] if i0 + r < nq else _F0
+            _stage(q_s, q, b, i0, CH, D, scale, t, NT)
+            _stage(do_s, do, b, i0, CH, DV, _F1, t, NT)
             if t < CH:
                 inside = i0 + t < nq
                 lse_s[t] = lse[b, i0 + t] if inside else _NEG_INF
@@ -603,12 +598,8 @@ def _make_backward_q(D, DV):
                              left, right, kv_len[b]):
                 continue
             cuda.syncthreads()  # the previous chunk is no longer read
-            for e in range(t, CH * D, NT):
-                r, x = e // D, e % D
-                k_s[r, x] = k[b, j0 + r, x] if j0 + r < nk else _F0
-            for e in range(t, CH * DV, NT):
-                r, x = e // DV, e % DV
-                v_s[r, x] = v[b, j0 + r, x] if j0 + r < nk else _F0
+            _stage(k_s, k, b, j0, CH, D, _F1, t, NT)
+            _stage(v_s, v, b, j0, CH, DV, _F1, t, NT)
             cuda.syncthreads()  # the chunk of K and V is loaded
             for x in range(D):
                 pq[x] = _F0
