@@ -49,8 +49,11 @@ def test_float64_matches_autograd(rng, opts):
     keep = np.broadcast_to(keep, (*o.shape[:-1], nk))
     want = torch_reference(q, k, v, do, keep, 1 / np.sqrt(6))
     for g, w in zip(grads, want):
-        rel = max_abs_err(g, w) / max(1e-300, float(np.max(np.abs(w))))
-        assert rel < 1e-10
+        # relative to the gradient's size; with one key the softmax is
+        # constant and dq = dk = 0 exactly, so the scale is floored at the
+        # inputs' order of magnitude, 1
+        scale = max(1.0, float(np.max(np.abs(w))))
+        assert max_abs_err(g, w) <= 1e-10 * scale
 
 
 def test_masked_rows_and_padding_have_zero_gradient(rng):

@@ -25,7 +25,10 @@ def check_forward(q, k, v, version, **opts):
     o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
     err_naive = max_abs_err(reference.naive(q, k, v, **opts), o_ref)
     assert o.dtype == np.float32 and not np.isnan(o).any()
-    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
+    nk, d = k.shape[-2], max(q.shape[-1], v.shape[-1])
+    tile = 1 if version == 1 else (16 if version > 2 and d > 64 else 32)
+    merges = -(-nk // tile)  # v1 merges key by key
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
     finite = np.isfinite(lse_ref)
     assert np.array_equal(finite, np.isfinite(lse))
     # lse = m + log(l): summing Nk terms into l in float32 can lose up to

@@ -46,7 +46,8 @@ def test_float32_within_twice_naive_error(rng, causal, trial, order):
     o_ref = reference.attention(q, k, v, causal=causal)
     err_naive = max_abs_err(reference.naive(q, k, v, causal=causal), o_ref)
     assert o.dtype == np.float32
-    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
+    merges = -(-nk // bk)
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
 
 
 def test_boolean_mask_with_fully_masked_rows(rng):
@@ -85,7 +86,7 @@ def test_huge_scores(rng, dtype):
     # Near-one-hot rows: float32 error is a few ulps of |v| after the
     # score itself is rounded, so the budget is naive float32's.
     err_naive = max_abs_err(reference.naive(q, k, v), o_ref)
-    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref)
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, 3)
 
 
 def test_single_query_and_single_key(rng):
