@@ -46,7 +46,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=64, block_k=64,
     """Numba CPU gradients (dq, dk, dv); arguments as tiled's backward."""
     q3, k3, v3, batch, p, a = kernel_args.flatten(
         q, k, v, dict(block_q=block_q, block_k=block_k, **options))
-    o, lse, do = tiled._check_saved(q, v, o, lse, do)
+    o, lse, do = tiled.check_saved(q, v, o, lse, do)
     bh, dv_ = q3.shape[0], v3.shape[-1]
     do3 = np.ascontiguousarray(do.reshape(bh, p.nq, dv_))
     lse3 = np.ascontiguousarray(lse.reshape(bh, p.nq))

@@ -771,7 +771,7 @@ def attention(q, k, v, *, version=4, return_lse=False, **options):
 def attention_backward(q, k, v, o, lse, do, **options):
     """GPU gradients (dq, dk, dv); deterministic. Arguments as the forward."""
     d, dv, batch, bh, p, scalars = _prepare(q, k, v, options)
-    tiled._check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
+    tiled.check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
     dev = _Device(q)
     qk = dev.to_kernel(q, (bh, p.nq, d))
     kk = dev.to_kernel(k, (bh, p.nk, d))

@@ -70,5 +70,5 @@ def flatten(q, k, v, options):
         use_dropout=drop is not None,
         drop_scale=1.0 / (1.0 - drop.p) if drop else 1.0,
     )
-    shape = lambda x: x.reshape(bh, *x.shape[-2:])  # noqa: E731
-    return shape(q), shape(k), shape(v), batch, p, args
+    q, k, v = (x.reshape(bh, *x.shape[-2:]) for x in (q, k, v))
+    return q, k, v, batch, p, args

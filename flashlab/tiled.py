@@ -204,7 +204,7 @@ def attention_backward(q, k, v, o, lse, do, **options):
     keyword options as `attention` (dropout with the same seed).
     """
     q, k, v, p = plan(q, k, v, **options)
-    o, lse, do = _check_saved(q, v, o, lse, do)
+    o, lse, do = check_saved(q, v, o, lse, do)
     dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
     backward(q, k, v, o, lse, do, dq, dk, dv, p)
     return dq, dk, dv
@@ -241,7 +241,7 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, p):
         dv[..., cols.start:cols.stop, :] = dv_j
 
 
-def _check_saved(q, v, o, lse, do):
+def check_saved(q, v, o, lse, do):
     """Validate o, lse and do against q and v."""
     out_shape = (*q.shape[:-1], v.shape[-1])
     checked = []
