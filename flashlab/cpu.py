@@ -52,11 +52,12 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=64, block_k=64,
     lse3 = np.ascontiguousarray(lse.reshape(bh, p.nq))
     delta = (do3 * o.reshape(bh, p.nq, dv_)).sum(axis=-1)  # D_i (BH, Nq)
     dq, dk, dv = (np.empty_like(x) for x in (q3, k3, v3))
-    arrays = [np.ascontiguousarray(x) for x in (q3, k3, v3)]
+    q3, k3 = np.ascontiguousarray(q3), np.ascontiguousarray(k3)
+    kt, vt = (np.ascontiguousarray(np.swapaxes(x, -1, -2)) for x in (k3, v3))
     scalars = _scalars(a, q3.dtype)
-    _backward_kv(*arrays, do3, lse3, delta, dk, dv, p.block_q, p.block_k,
+    _backward_kv(q3, kt, vt, do3, lse3, delta, dk, dv, p.block_q, p.block_k,
                  *scalars)
-    _backward_q(*arrays, do3, lse3, delta, dq, p.block_q, p.block_k,
+    _backward_q(q3, kt, vt, do3, lse3, delta, k3, dq, p.block_q, p.block_k,
                 *scalars)
     return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
 
@@ -84,16 +85,22 @@ def _mask_tile(s, b, i0, br, j0, bc, causal, offset, left, right, kv_len,
 
 
 @njit(fastmath=_FAST)
-def _score_tile(s, q, kt, b, i0, br, j0, bc, scale):
-    """s[:br, :bc] = scale * Q_i K_j^T, vectorized along the keys."""
-    d = q.shape[2]
+def _score_tile(s, q_b, kt_b, i0, br, j0, bc, scale):
+    """s[:br, :bc] = scale * Q_i K_j^T, vectorized along the keys.
+
+    q_b (Nq, d) and kt_b (d, Nk) are one batch element's arrays. The inner
+    loop runs over 1-d slices of exactly bc elements: that is what lets
+    LLVM vectorize it (3.5x faster than indexing the 3-d arrays, measured).
+    """
     for r in range(br):
-        for c in range(bc):
-            s[r, c] = 0
-        for x in range(d):
-            a = q[b, i0 + r, x] * scale
+        s_r = s[r, :bc]
+        q_r = q_b[i0 + r]
+        s_r[:] = 0
+        for x in range(q_b.shape[1]):
+            a = q_r[x] * scale
+            k_x = kt_b[x, j0:j0 + bc]
             for c in range(bc):
-                s[r, c] += a * kt[b, x, j0 + c]
+                s_r[c] += a * k_x[c]
 
 
 @njit(parallel=True, fastmath=_FAST)
@@ -116,7 +123,7 @@ def _forward(q, kt, v, o, lse, block_q, block_k, scale, causal, offset,
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
                              right, kv_len[b]):
                 continue
-            _score_tile(s, q, kt, b, i0, br, j0, bc, scale)
+            _score_tile(s, q[b], kt[b], i0, br, j0, bc, scale)
             if use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, causal,
                                           offset, left, right, kv_len[b]):
                 _mask_tile(s, b, i0, br, j0, bc, causal, offset, left,
@@ -140,11 +147,14 @@ def _forward(q, kt, v, o, lse, block_q, block_k, scale, causal, offset,
                         keep = _keep_bits(seed, uint64(b), uint64(i0 + r),
                                           uint64(j0 + c)) >= threshold
                         s[r, c] = s[r, c] * drop_scale if keep else 0
-            for r in range(br):  # acc += P_ij V_j
+            v_b = v[b]
+            for r in range(br):  # acc += P_ij V_j, vectorized along dv
+                acc_r = acc[r]
                 for c in range(bc):
                     p = s[r, c]
+                    v_c = v_b[j0 + c]
                     for x in range(dv):
-                        acc[r, x] += p * v[b, j0 + c, x]
+                        acc_r[x] += p * v_c[x]
         for r in range(br):
             if l[r] > 0:
                 for x in range(dv):
@@ -156,12 +166,13 @@ def _forward(q, kt, v, o, lse, block_q, block_k, scale, causal, offset,
                 lse[b, i0 + r] = -np.inf
 
 
-@njit
-def _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc, scale,
-             causal, offset, left, right, kv_len, mask, use_mask, seed,
-             threshold, use_dropout, drop_scale, lowest):
-    """Recompute P_ij, dropout-weighted P_ij and dS_ij = P(dP - D)."""
-    d, dv = q.shape[2], v.shape[2]
+@njit(fastmath=_FAST)
+def _ds_tile(s, dp, pz, q_b, kt_b, do_b, vt_b, lse_b, delta_b, b, i0, br,
+             j0, bc, scale, one, causal, offset, left, right, kv_len, mask,
+             use_mask, seed, threshold, use_dropout, drop_scale, lowest):
+    """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s."""
+    _score_tile(s, q_b, kt_b, i0, br, j0, bc, scale)  # S_ij
+    _score_tile(dp, do_b, vt_b, i0, br, j0, bc, one)  # dP_ij = dO_i V_j^T
     for r in range(br):
         i = i0 + r
         for c in range(bc):
@@ -170,30 +181,25 @@ def _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc, scale,
             if use_mask:
                 ok = ok and mask[b, i, j]
             if not ok:
-                ds[r, c] = 0
+                s[r, c] = 0
                 pz[r, c] = 0
                 continue
-            s = q[b, i, 0] * k[b, j, 0]
-            for x in range(1, d):
-                s += q[b, i, x] * k[b, j, x]
-            p = _row_probability(s * scale, lse[b, i], lowest)
-            dp = do[b, i, 0] * v[b, j, 0]
-            for x in range(1, dv):
-                dp += do[b, i, x] * v[b, j, x]
+            p = _row_probability(s[r, c], lse_b[i], lowest)
             z = drop_scale
             if use_dropout and _keep_bits(seed, uint64(b), uint64(i),
                                           uint64(j)) < threshold:
                 z = z * 0
             pz[r, c] = p * z
-            ds[r, c] = p * (dp * z - delta[b, i])
+            s[r, c] = p * (dp[r, c] * z - delta_b[i])
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, scale,
-                 causal, offset, left, right, kv_len, mask, use_mask, seed,
-                 threshold, use_dropout, drop_scale, lowest):
+def _backward_kv(q, kt, vt, do, lse, delta, dk, dv, block_q, block_k,
+                 scale, causal, offset, left, right, kv_len, mask, use_mask,
+                 seed, threshold, use_dropout, drop_scale, lowest):
     bh, nq, d = q.shape
-    nk, dvn = v.shape[1], v.shape[2]
+    nk, dvn = vt.shape[2], vt.shape[1]
+    one = drop_scale / drop_scale  # 1 in the array dtype (never 0 / 0)
     n_blocks = (nk + block_k - 1) // block_k
     for t in prange(bh * n_blocks):
         b = t // n_blocks
@@ -201,55 +207,65 @@ def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, scale,
         bc = min(block_k, nk - j0)
         dk_j = np.zeros((bc, d), dtype=q.dtype)  # on chip for all Q_i
         dv_j = np.zeros((bc, dvn), dtype=q.dtype)
-        ds = np.empty((block_q, bc), dtype=q.dtype)
+        s = np.empty((block_q, bc), dtype=q.dtype)
+        dp = np.empty((block_q, bc), dtype=q.dtype)
         pz = np.empty((block_q, bc), dtype=q.dtype)
+        q_b, do_b = q[b], do[b]
         for i0 in range(0, nq, block_q):
             br = min(block_q, nq - i0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
                              right, kv_len[b]):
                 continue
-            _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc,
-                     scale, causal, offset, left, right, kv_len[b], mask,
-                     use_mask, seed, threshold, use_dropout, drop_scale,
-                     lowest)
+            _ds_tile(s, dp, pz, q_b, kt[b], do_b, vt[b], lse[b], delta[b],
+                     b, i0, br, j0, bc, scale, one, causal, offset, left,
+                     right, kv_len[b], mask, use_mask, seed, threshold,
+                     use_dropout, drop_scale, lowest)
             for r in range(br):
+                q_r, do_r = q_b[i0 + r], do_b[i0 + r]
                 for c in range(bc):
                     w = pz[r, c]  # dV_j += (P Z)^T dO_i
+                    dv_c = dv_j[c]
                     for x in range(dvn):
-                        dv_j[c, x] += w * do[b, i0 + r, x]
-                    g = ds[r, c] * scale  # dK_j += tau dS^T Q_i
+                        dv_c[x] += w * do_r[x]
+                    g = s[r, c] * scale  # dK_j += tau dS^T Q_i
+                    dk_c = dk_j[c]
                     for x in range(d):
-                        dk_j[c, x] += g * q[b, i0 + r, x]
+                        dk_c[x] += g * q_r[x]
         dk[b, j0:j0 + bc, :] = dk_j
         dv[b, j0:j0 + bc, :] = dv_j
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_q(q, k, v, do, lse, delta, dq, block_q, block_k, scale,
+def _backward_q(q, kt, vt, do, lse, delta, k, dq, block_q, block_k, scale,
                 causal, offset, left, right, kv_len, mask, use_mask, seed,
                 threshold, use_dropout, drop_scale, lowest):
     bh, nq, d = q.shape
-    nk = k.shape[1]
+    nk = kt.shape[2]
+    one = drop_scale / drop_scale  # 1 in the array dtype (never 0 / 0)
     n_blocks = (nq + block_q - 1) // block_q
     for t in prange(bh * n_blocks):
         b = t // n_blocks
         i0 = (t % n_blocks) * block_q
         br = min(block_q, nq - i0)
         dq_i = np.zeros((br, d), dtype=q.dtype)
-        ds = np.empty((br, block_k), dtype=q.dtype)
+        s = np.empty((br, block_k), dtype=q.dtype)
+        dp = np.empty((br, block_k), dtype=q.dtype)
         pz = np.empty((br, block_k), dtype=q.dtype)
+        k_b = k[b]
         for j0 in range(0, nk, block_k):
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, causal, offset, left,
                              right, kv_len[b]):
                 continue
-            _ds_tile(ds, pz, q, k, v, do, lse, delta, b, i0, br, j0, bc,
-                     scale, causal, offset, left, right, kv_len[b], mask,
-                     use_mask, seed, threshold, use_dropout, drop_scale,
-                     lowest)
+            _ds_tile(s, dp, pz, q[b], kt[b], do[b], vt[b], lse[b], delta[b],
+                     b, i0, br, j0, bc, scale, one, causal, offset, left,
+                     right, kv_len[b], mask, use_mask, seed, threshold,
+                     use_dropout, drop_scale, lowest)
             for r in range(br):
+                dq_r = dq_i[r]
                 for c in range(bc):
-                    g = ds[r, c] * scale  # dQ_i += tau dS K_j
+                    g = s[r, c] * scale  # dQ_i += tau dS K_j
+                    k_c = k_b[j0 + c]
                     for x in range(d):
-                        dq_i[r, x] += g * k[b, j0 + c, x]
+                        dq_r[x] += g * k_c[x]
         dq[b, i0:i0 + br, :] = dq_i
