@@ -16,8 +16,8 @@ def source(obj):
     display(Markdown(f"```python\n{code}\n```"))
 
 
-def glue(name, value, display=True):
-    """Glue a value for the book's {glue} roles; print it if display."""
+def glue(name, value, display=False):
+    """Glue a value for the book's {glue} roles (shown only where cited)."""
     try:
         from myst_nb import glue as _glue
     except ImportError:  # a plain Jupyter runtime without the book tools
