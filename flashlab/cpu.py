@@ -89,18 +89,60 @@ def _score_tile(s, q_b, kt_b, i0, br, j0, bc, scale):
     """s[:br, :bc] = scale * Q_i K_j^T, vectorized along the keys.
 
     q_b (Nq, d) and kt_b (d, Nk) are one batch element's arrays. The inner
-    loop runs over 1-d slices of exactly bc elements: that is what lets
-    LLVM vectorize it (3.5x faster than indexing the 3-d arrays, measured).
+    loops run over 1-d slices of exactly bc elements, which is what lets
+    LLVM vectorize them (3.5x faster than indexing 3-d arrays, measured),
+    and four rows go together so that each K element loaded feeds four
+    multiply-adds (1.5x more, measured).
     """
-    for r in range(br):
-        s_r = s[r, :bc]
-        q_r = q_b[i0 + r]
+    r = 0
+    while r + 4 <= br:
+        s0, s1, s2, s3 = s[r, :bc], s[r + 1, :bc], s[r + 2, :bc], s[r + 3, :bc]
+        q0, q1 = q_b[i0 + r], q_b[i0 + r + 1]
+        q2, q3 = q_b[i0 + r + 2], q_b[i0 + r + 3]
+        s0[:] = 0
+        s1[:] = 0
+        s2[:] = 0
+        s3[:] = 0
+        for x in range(q_b.shape[1]):
+            a0, a1 = q0[x] * scale, q1[x] * scale
+            a2, a3 = q2[x] * scale, q3[x] * scale
+            k_x = kt_b[x, j0:j0 + bc]
+            for c in range(bc):
+                kc = k_x[c]
+                s0[c] += a0 * kc
+                s1[c] += a1 * kc
+                s2[c] += a2 * kc
+                s3[c] += a3 * kc
+        r += 4
+    for rest in range(r, br):  # the last br % 4 rows
+        s_r = s[rest, :bc]
+        q_r = q_b[i0 + rest]
         s_r[:] = 0
         for x in range(q_b.shape[1]):
             a = q_r[x] * scale
             k_x = kt_b[x, j0:j0 + bc]
             for c in range(bc):
                 s_r[c] += a * k_x[c]
+
+
+@njit(fastmath=_FAST)
+def _add_pv(acc, s, v_b, br, j0, bc):
+    """acc[:br] += s[:br, :bc] V_j, four keys per pass over a row of acc."""
+    for r in range(br):
+        acc_r = acc[r]
+        c = 0
+        while c + 4 <= bc:
+            p0, p1, p2, p3 = s[r, c], s[r, c + 1], s[r, c + 2], s[r, c + 3]
+            v0, v1 = v_b[j0 + c], v_b[j0 + c + 1]
+            v2, v3 = v_b[j0 + c + 2], v_b[j0 + c + 3]
+            for x in range(acc_r.shape[0]):
+                acc_r[x] += p0 * v0[x] + p1 * v1[x] + p2 * v2[x] + p3 * v3[x]
+            c += 4
+        for rest in range(c, bc):  # the last bc % 4 keys
+            p = s[r, rest]
+            v_c = v_b[j0 + rest]
+            for x in range(acc_r.shape[0]):
+                acc_r[x] += p * v_c[x]
 
 
 @njit(parallel=True, fastmath=_FAST)
@@ -147,14 +189,7 @@ def _forward(q, kt, v, o, lse, block_q, block_k, scale, causal, offset,
                         keep = _keep_bits(seed, uint64(b), uint64(i0 + r),
                                           uint64(j0 + c)) >= threshold
                         s[r, c] = s[r, c] * drop_scale if keep else 0
-            v_b = v[b]
-            for r in range(br):  # acc += P_ij V_j, vectorized along dv
-                acc_r = acc[r]
-                for c in range(bc):
-                    p = s[r, c]
-                    v_c = v_b[j0 + c]
-                    for x in range(dv):
-                        acc_r[x] += p * v_c[x]
+            _add_pv(acc, s, v[b], br, j0, bc)  # acc += P_ij V_j
         for r in range(br):
             if l[r] > 0:
                 for x in range(dv):
