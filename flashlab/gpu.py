@@ -17,9 +17,10 @@ The forward kernel exists in numbered versions that all stay correct:
 - v4: v3 with the row softmax done by every thread on its own piece of
   S, partial maxima and sums meeting in shared memory.
 
-The backward pass is two kernels without atomics (dK/dV with one thread
-per key row, dQ with one thread per query row), so its gradients are
-bitwise identical from run to run.
+The backward pass is two kernels without atomics, one for dK and dV over
+key blocks and one for dQ over query blocks, so its gradients are bitwise
+identical from run to run. For head dims up to 64 they are register
+blocked like v4; larger head dims use one thread per key or query row.
 """
 
 import contextlib
@@ -628,6 +629,195 @@ def _make_backward_q(D, DV):
     return backward_q
 
 
+BLOCK_BWD = 32  # keys (dK/dV pass) or queries (dQ pass) per blocked tile
+BLOCKED_MAX_DIM = 64  # larger head dims would overflow 48 KiB of SRAM
+
+
+def _make_backward_kv_blocked(D, DV):
+    """dK, dV with register blocking, for head dims up to 64.
+
+    A block owns 32 keys and walks over chunks of 32 queries. Each of its
+    128 threads computes a 4 x 2 piece of S^T = K_j Q_i^T and of
+    dP^T = V_j dO_i^T in registers, then 4 rows of dV_j += (P Z)^T dO_i
+    and dK_j += dS^T Q_i; no atomics, so the result is bitwise repeatable.
+    """
+    BK = BQ = BLOCK_BWD
+    RM = 4
+    TY = BK // RM
+    TX = THREADS // TY
+    CN = BQ // TX
+    OK_, OV = D // TX, DV // TX
+    DP, DVP, BQP = D + 1, DV + 1, BQ + 1
+
+    @cuda.jit
+    def backward_kv_blocked(q, k, v, do, lse, delta, dk, dv, scale, causal,
+                            offset, left, right, kv_len, mask, use_mask,
+                            seed, threshold, use_dropout, drop_scale):
+        k_s = cuda.shared.array((BK, DP), float32)
+        v_s = cuda.shared.array((BK, DVP), float32)
+        q_s = cuda.shared.array((BQ, DP), float32)
+        do_s = cuda.shared.array((BQ, DVP), float32)
+        pt_s = cuda.shared.array((BK, BQP), float32)  # (P Z)^T
+        dst_s = cuda.shared.array((BK, BQP), float32)  # dS^T
+        lse_s = cuda.shared.array(BQ, float32)
+        dl_s = cuda.shared.array(BQ, float32)
+        s = cuda.local.array((RM, CN), float32)
+        dp = cuda.local.array((RM, CN), float32)
+        qa = cuda.local.array(RM, float32)
+        ones = cuda.local.array(RM, float32)
+        acc_k = cuda.local.array((RM, OK_), float32)
+        acc_v = cuda.local.array((RM, OV), float32)
+        pk = cuda.local.array((RM, OK_), float32)
+        pvv = cuda.local.array((RM, OV), float32)
+        vk = cuda.local.array(OK_, float32)
+        vv = cuda.local.array(OV, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * BK
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + BK, nk)
+        kv = kv_len[b]
+        for a in range(RM):
+            ones[a] = _F1
+            for c in range(OK_):
+                acc_k[a, c] = _F0
+            for c in range(OV):
+                acc_v[a, c] = _F0
+        # HBM -> SRAM once: K_j, V_j, used against every query chunk
+        _stage(k_s, k, b, j0, BK, D, _F1, t, THREADS)
+        _stage(v_s, v, b, j0, BK, DV, _F1, t, THREADS)
+        for i0 in range(0, nq, BQ):
+            i1 = min(i0 + BQ, nq)
+            if _tile_skipped(i0, i1, j0, j1, causal, offset, left, right,
+                             kv):
+                continue  # uniform over the block: barriers stay aligned
+            cuda.syncthreads()  # the previous chunk is no longer read
+            _stage(q_s, q, b, i0, BQ, D, scale, t, THREADS)
+            _stage(do_s, do, b, i0, BQ, DV, _F1, t, THREADS)
+            if t < BQ:
+                inside = i0 + t < nq
+                lse_s[t] = lse[b, i0 + t] if inside else _NEG_INF
+                dl_s[t] = delta[b, i0 + t] if inside else _F0
+            cuda.syncthreads()  # K_j, V_j and this chunk are in SRAM
+            _score_piece(s, qa, k_s, q_s, ty * RM, tx * CN, RM, CN, D)
+            _score_piece(dp, qa, v_s, do_s, ty * RM, tx * CN, RM, CN, DV)
+            for a in range(RM):
+                r = ty * RM + a  # key row in the block
+                for c in range(CN):
+                    col = tx * CN + c  # query in the chunk
+                    i, j = i0 + col, j0 + r
+                    if _allowed(b, i, j, nq, nk, causal, offset, left,
+                                right, kv_len, mask, use_mask):
+                        p = _row_probability(s[a, c], lse_s[col], _LOWEST)
+                        z = _dropout_weight(b, i, j, seed, threshold,
+                                            use_dropout, drop_scale)
+                        pt_s[r, col] = p * z
+                        dst_s[r, col] = p * (dp[a, c] * z - dl_s[col])
+                    else:
+                        pt_s[r, col] = _F0
+                        dst_s[r, col] = _F0
+            cuda.syncthreads()  # (P Z)^T and dS^T complete
+            _output_piece(acc_v, pvv, vv, ones, pt_s, do_s, ty * RM, tx, RM,
+                          OV, BQ, TX)
+            _output_piece(acc_k, pk, vk, ones, dst_s, q_s, ty * RM, tx, RM,
+                          OK_, BQ, TX)  # q_s holds tau Q: dK = tau dS^T Q
+        for a in range(RM):
+            j = j0 + ty * RM + a
+            if j < nk:
+                for c in range(OK_):
+                    dk[b, j, tx + TX * c] = acc_k[a, c]
+                for c in range(OV):
+                    dv[b, j, tx + TX * c] = acc_v[a, c]
+
+    return backward_kv_blocked
+
+
+def _make_backward_q_blocked(D, DV):
+    """dQ with register blocking, for head dims up to 64.
+
+    A block owns 32 queries and walks over chunks of 32 keys; each thread
+    computes a 4 x 2 piece of S and dP, then 4 rows of dQ_i += tau dS K_j.
+    """
+    BQ = BK = BLOCK_BWD
+    RM = 4
+    TY = BQ // RM
+    TX = THREADS // TY
+    CN = BK // TX
+    OQ = D // TX
+    DP, DVP, BKP = D + 1, DV + 1, BK + 1
+
+    @cuda.jit
+    def backward_q_blocked(q, k, v, do, lse, delta, dq, scale, causal,
+                           offset, left, right, kv_len, mask, use_mask,
+                           seed, threshold, use_dropout, drop_scale):
+        q_s = cuda.shared.array((BQ, DP), float32)
+        do_s = cuda.shared.array((BQ, DVP), float32)
+        k_s = cuda.shared.array((BK, DP), float32)
+        v_s = cuda.shared.array((BK, DVP), float32)
+        ds_s = cuda.shared.array((BQ, BKP), float32)
+        lse_s = cuda.shared.array(BQ, float32)
+        dl_s = cuda.shared.array(BQ, float32)
+        s = cuda.local.array((RM, CN), float32)
+        dp = cuda.local.array((RM, CN), float32)
+        qa = cuda.local.array(RM, float32)
+        ones = cuda.local.array(RM, float32)
+        acc = cuda.local.array((RM, OQ), float32)
+        pq = cuda.local.array((RM, OQ), float32)
+        vq = cuda.local.array(OQ, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * BQ
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BQ, nq)
+        kv = kv_len[b]
+        for a in range(RM):
+            ones[a] = _F1
+            for c in range(OQ):
+                acc[a, c] = _F0
+        _stage(q_s, q, b, i0, BQ, D, scale, t, THREADS)
+        _stage(do_s, do, b, i0, BQ, DV, _F1, t, THREADS)
+        if t < BQ:
+            inside = i0 + t < nq
+            lse_s[t] = lse[b, i0 + t] if inside else _NEG_INF
+            dl_s[t] = delta[b, i0 + t] if inside else _F0
+        for j0 in range(0, nk, BK):
+            j1 = min(j0 + BK, nk)
+            if _tile_skipped(i0, i1, j0, j1, causal, offset, left, right,
+                             kv):
+                continue  # uniform over the block: barriers stay aligned
+            cuda.syncthreads()  # the previous chunk is no longer read
+            _stage(k_s, k, b, j0, BK, D, _F1, t, THREADS)
+            _stage(v_s, v, b, j0, BK, DV, _F1, t, THREADS)
+            cuda.syncthreads()  # Q_i, dO_i and this K/V chunk are in SRAM
+            _score_piece(s, qa, q_s, k_s, ty * RM, tx * CN, RM, CN, D)
+            _score_piece(dp, qa, do_s, v_s, ty * RM, tx * CN, RM, CN, DV)
+            for a in range(RM):
+                r = ty * RM + a  # query row in the block
+                for c in range(CN):
+                    col = tx * CN + c  # key in the chunk
+                    i, j = i0 + r, j0 + col
+                    if _allowed(b, i, j, nq, nk, causal, offset, left,
+                                right, kv_len, mask, use_mask):
+                        p = _row_probability(s[a, c], lse_s[r], _LOWEST)
+                        z = _dropout_weight(b, i, j, seed, threshold,
+                                            use_dropout, drop_scale)
+                        ds_s[r, col] = p * (dp[a, c] * z - dl_s[r]) * scale
+                    else:
+                        ds_s[r, col] = _F0
+            cuda.syncthreads()  # tau dS_ij complete
+            _output_piece(acc, pq, vq, ones, ds_s, k_s, ty * RM, tx, RM, OQ,
+                          BK, TX)
+        for a in range(RM):
+            i = i0 + ty * RM + a
+            if i < nq:
+                for c in range(OQ):
+                    dq[b, i, tx + TX * c] = acc[a, c]
+
+    return backward_q_blocked
+
+
 _FACTORIES = {
     "forward_v1": _make_v1,
     "forward_v2": _make_v2,
@@ -635,6 +825,8 @@ _FACTORIES = {
     "forward_v4": _make_v4,
     "backward_kv": _make_backward_kv,
     "backward_q": _make_backward_q,
+    "backward_kv_blocked": _make_backward_kv_blocked,
+    "backward_q_blocked": _make_backward_q_blocked,
 }
 
 
@@ -785,12 +977,16 @@ def attention_backward(q, k, v, o, lse, do, **options):
     dq, dq_k = dev.empty((bh, p.nq, d), q)
     dk, dk_k = dev.empty((bh, p.nk, d), q)
     dvv, dv_k = dev.empty((bh, p.nk, dv), q)
-    nt, _ = _backward_sizes(d, dv)
-    _kernel("backward_kv", d, dv)[(math.ceil(p.nk / nt), bh), nt,
-                                  dev.stream](
+    if max(d, dv) <= BLOCKED_MAX_DIM:
+        suffix, nt, rows = "_blocked", THREADS, BLOCK_BWD
+    else:
+        suffix, (nt, _) = "", _backward_sizes(d, dv)
+        rows = nt
+    _kernel("backward_kv" + suffix, d, dv)[(math.ceil(p.nk / rows), bh), nt,
+                                           dev.stream](
         qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *scalars)
-    _kernel("backward_q", d, dv)[(math.ceil(p.nq / nt), bh), nt,
-                                 dev.stream](
+    _kernel("backward_q" + suffix, d, dv)[(math.ceil(p.nq / rows), bh), nt,
+                                          dev.stream](
         qk, kk, vk, dok, lsek, delta_k, dq_k, *scalars)
     return (dev.result(dq, (*batch, p.nq, d)),
             dev.result(dk, (*batch, p.nk, d)),
@@ -822,13 +1018,18 @@ def _signature(name):
     arrays = {
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3),
-    }.get(name, (a3, a3, a3, a3, a2))
+    }.get(name.removesuffix("_blocked"), (a3, a3, a3, a3, a2))
     return (*arrays, *rules)
 
 
 def kernel_names():
     """Every kernel flashlab.gpu can launch."""
     return tuple(_FACTORIES)
+
+
+def supports(name, d, dv):
+    """Whether kernel `name` is built for head dims d, dv."""
+    return not name.endswith("_blocked") or max(d, dv) <= BLOCKED_MAX_DIM
 
 
 @contextlib.contextmanager

@@ -47,6 +47,8 @@ def report(head_dims=HEAD_DIMS):
     out = {}
     for name in gpu.kernel_names():
         for d, dv in head_dims:
+            if not gpu.supports(name, d, dv):
+                continue
             ptx = gpu.compile_ptx(name, d, dv)
             out[f"{name} {d} {dv}"] = {"f64": float64_ops(ptx),
                                        "shared": shared_bytes(ptx),
