@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Notebook kernels and tools must come from the venv, not the system.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: book test lint unit notebooks execute clean
+.PHONY: book test lint unit notebooks execute dist clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,5 +37,11 @@ test: lint unit notebooks book
 execute: $(STAMP)
 	$(BIN)/jupyter execute --inplace --timeout=600 notebooks/*.ipynb
 
+# The wheel and sdist of flashlab-course (import name flashlab) in dist/.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/twine check --strict dist/*
+
 clean:
-	rm -rf _build $(VENV)
+	rm -rf _build dist $(VENV)

@@ -5,4 +5,4 @@ from flashlab import costs, dense, io, masks, merge, online, reference, tiled
 __all__ = [
     "costs", "dense", "io", "masks", "merge", "online", "reference", "tiled",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -46,3 +46,10 @@ def test_ends_with_summary_and_exercises(path):
     exercises = text.split("## Exercises", 1)
     assert len(exercises) == 2, "no Exercises section"
     assert len(re.findall(r"^\d+\. ", exercises[1], re.M)) >= 2
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_path_leaves_the_notebook_directory(path):
+    """A chapter runs alone: it reads data through the installed package."""
+    code = "\n".join("".join(c["source"]) for c in cells(path, "code"))
+    assert "../" not in code and "..\\" not in code

@@ -1,0 +1,1 @@
+"""Stored measurements; read them through flashlab.measured."""

@@ -1,0 +1,35 @@
+"""Stored measurements that the chapters read, shipped inside the package.
+
+The benchmark tables and ceilings in `flashlab/data/` were measured with
+`python -m flashlab.bench` on the machine their first line names. They
+are read through importlib.resources, so a chapter finds them wherever
+flashlab is installed, whatever its working directory. See chapter 9.
+"""
+
+import csv
+import io
+from importlib import resources
+
+FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
+         "bench_h200.txt", "ceilings_h200.txt")
+
+
+def text(name):
+    """The stored file `name` (one of FILES) as a string."""
+    if name not in FILES:
+        raise ValueError(f"name: expected one of {FILES}, got {name!r}")
+    return resources.files("flashlab.data").joinpath(name).read_text(
+        encoding="utf-8")
+
+
+def rows(name):
+    """The stored benchmark table `name` (a .csv of FILES) as typed dicts."""
+    if not name.endswith(".csv"):
+        raise ValueError(f"name: expected a .csv file, got {name!r}")
+    out = []
+    for r in csv.DictReader(io.StringIO(text(name))):
+        r["N"], r["ms"] = int(r["N"]), float(r["ms"])
+        r["tflops"], r["vs_torch"] = float(r["tflops"]), float(r["vs_torch"])
+        r["causal"] = r["causal"] == "True"
+        out.append(r)
+    return out
