@@ -71,10 +71,19 @@ def check_scale(scale, d):
     return float(scale)
 
 
-def check_block(name, value):
-    """Return a block size as an int >= 1, or raise naming `name`."""
+def check_block(name, value, default):
+    """Return a block size as an int >= 1 (None: default), or raise."""
+    if value is None:
+        return default
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an integer >= 1, got {value!r}")
     if value < 1:
         raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
     return int(value)
+
+
+def check_flag(name, value):
+    """Return a bool flag, refusing truthy non-bools such as 1 or "no"."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)

@@ -10,35 +10,38 @@ arrays to measure its traffic. See chapter 6.
 
 import numpy as np
 
-from flashlab import reference, tiled
+from flashlab import nonfinite, reference, tiled
 from flashlab.tiled import blocks, load_kv, load_q, score_tile
 
 
-def attention(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-              mask=None, window=None, kv_lengths=None, return_lse=False):
+def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
+              causal=False, mask=None, window=None, kv_lengths=None,
+              return_lse=False):
     """Three-kernel materialized attention; same arguments as tiled."""
-    q, k, v, p = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
-                            scale=scale, causal=causal, mask=mask,
-                            window=window, kv_lengths=kv_lengths)
-    rows = (*q.shape[:-2], p.nq)
-    s = np.empty((*rows, p.nk), dtype=q.dtype)  # (..., Nq, Nk) in HBM
+    q, k, v, plan = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
+                               scale=scale, causal=causal, mask=mask,
+                               window=window, kv_lengths=kv_lengths)
+    rows = (*q.shape[:-2], plan.nq)
+    s = np.empty((*rows, plan.nk), dtype=q.dtype)  # (..., Nq, Nk) in HBM
     prob = np.empty_like(s)  # (..., Nq, Nk) in HBM
     o = np.empty((*rows, v.shape[-1]), dtype=q.dtype)
     lse = np.empty(rows, dtype=q.dtype)
-    forward(q, k, v, s, prob, o, lse, p)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN by the rule
+        forward(q, k, v, s, prob, o, lse, plan)
+    nonfinite.finish(o, lse, v, plan.empty_rows(q.shape[:-2]))
     return (o, lse) if return_lse else o
 
 
-def forward(q, k, v, s, prob, o, lse, p):
+def forward(q, k, v, s, prob, o, lse, plan):
     """Run the three kernels; lse may be None when it is not needed."""
-    blocks_q = blocks(p.nq, p.block_q)
-    blocks_k = blocks(p.nk, p.block_k)
+    blocks_q = blocks(plan.nq, plan.block_q)
+    blocks_k = blocks(plan.nk, plan.block_k)
     for rows in blocks_q:  # kernel 1: S = tau Q K^T
-        q_i = load_q(q, rows, p)
+        q_i = load_q(q, rows, plan)
         for cols in blocks_k:
             k_j, _ = load_kv(k, None, cols)
             s[..., rows.start:rows.stop, cols.start:cols.stop] = score_tile(
-                q_i, k_j, rows, cols, p)
+                q_i, k_j, rows, cols, plan)
     for rows in blocks_q:  # kernel 2: P = softmax(S), whole rows
         s_i = s[..., rows.start:rows.stop, :]  # (..., Br, Nk)
         prob[..., rows.start:rows.stop, :] = reference.softmax(s_i)

@@ -1,8 +1,10 @@
-"""Flatten validated attention arguments into what the numba kernels take.
+"""What the numba kernels receive: arrays as (BH, N, d), rules as one record.
 
 Both the CPU kernels (flashlab.cpu) and the CUDA kernels (flashlab.gpu)
-work on (BH, N, d) arrays and scalar rules; this module turns the
-arguments of `tiled.attention` into that form, once.
+work on (BH, N, d) arrays. Every scalar rule of a call (scale, mask
+geometry, dropout) travels in one `KernelRules` record, a namedtuple that
+numba passes to njit functions and CUDA kernels alike, so a new rule is a
+new field here and nowhere else in the signatures.
 """
 
 from typing import NamedTuple
@@ -12,21 +14,28 @@ import numpy as np
 from flashlab import dropout, tiled
 
 
-class KernelArgs(NamedTuple):
-    """Scalars and small arrays every kernel receives."""
+class KernelRules(NamedTuple):
+    """The scalar rules of one call, typed for the kernels' float dtype."""
 
-    scale: float
+    scale: np.floating  # tau, multiplies Q
     causal: bool
-    offset: int
+    offset: int  # diagonal offset: 0 or Nk - Nq (see flashlab.masks)
     left: int  # window sides, -1 = unbounded
     right: int
+    use_mask: bool  # a boolean mask array is given
+    seed: np.uint64
+    threshold: np.uint64  # keep a pair when keep_bits >= threshold
+    use_dropout: bool
+    drop_scale: np.floating  # 1 / (1 - dropout_p)
+    lowest: np.floating  # most negative finite value of the dtype
+
+
+class KernelArgs(NamedTuple):
+    """The record and the two small arrays every kernel takes."""
+
+    rules: KernelRules
     kv_len: np.ndarray  # (BH,) int64 valid keys per batch element
     mask: np.ndarray  # (BH, Nq, Nk) bool, or (1, 1, 1) when unused
-    use_mask: bool
-    seed: np.uint64
-    threshold: np.uint64  # keep pair when keep_bits >= threshold
-    use_dropout: bool
-    drop_scale: float  # 1 / (1 - p)
 
 
 def proxy(x):
@@ -40,35 +49,43 @@ def proxy(x):
 
 
 def flatten(q, k, v, options):
-    """Validate; return (q, k, v) as (BH, N, d) arrays, batch shape, args."""
-    q, k, v, p = tiled.plan(q, k, v, **options)
+    """Validate; return (q, k, v) as (BH, N, d) arrays, batch, plan, args.
+
+    options are the keyword arguments of `tiled.plan`.
+    """
+    q, k, v, plan = tiled.plan(q, k, v, **options)
     batch = q.shape[:-2]
     bh = int(np.prod(batch))
-    rules = p.rules
+    masks = plan.rules
     left, right = (-1 if w is None else w
-                   for w in (rules.window or (None, None)))
-    kv_len = np.full(batch, p.nk, dtype=np.int64)
-    if rules.kv_lengths is not None:
-        kv_len = np.broadcast_to(rules.kv_lengths[..., 0, 0], batch)
-    if rules.mask is not None:
-        mask = np.broadcast_to(rules.mask, (*batch, p.nq, p.nk))
-        mask = np.ascontiguousarray(mask.reshape(bh, p.nq, p.nk))
+                   for w in (masks.window or (None, None)))
+    kv_len = np.full(batch, plan.nk, dtype=np.int64)
+    if masks.kv_lengths is not None:
+        kv_len = np.broadcast_to(masks.kv_lengths[..., 0, 0], batch)
+    if masks.mask is not None:
+        mask = np.broadcast_to(masks.mask, (*batch, plan.nq, plan.nk))
+        mask = np.ascontiguousarray(mask.reshape(bh, plan.nq, plan.nk))
     else:
         mask = np.ones((1, 1, 1), dtype=np.bool_)
-    drop = p.dropout
-    args = KernelArgs(
-        scale=p.scale,
-        causal=rules.causal,
-        offset=rules.offset,
+    drop = plan.dropout
+    real = q.dtype.type
+    rules = KernelRules(
+        scale=real(plan.scale),
+        causal=masks.causal,
+        offset=masks.offset,
         left=left,
         right=right,
-        kv_len=np.ascontiguousarray(kv_len.reshape(bh), dtype=np.int64),
-        mask=mask,
-        use_mask=rules.mask is not None,
+        use_mask=masks.mask is not None,
         seed=np.uint64(drop.seed if drop else 0),
         threshold=dropout.threshold(drop.p if drop else 0.0),
         use_dropout=drop is not None,
-        drop_scale=1.0 / (1.0 - drop.p) if drop else 1.0,
+        drop_scale=real(1.0 / (1.0 - drop.p) if drop else 1.0),
+        lowest=real(np.finfo(q.dtype).min),
+    )
+    args = KernelArgs(
+        rules=rules,
+        kv_len=np.ascontiguousarray(kv_len.reshape(bh), dtype=np.int64),
+        mask=mask,
     )
     q, k, v = (x.reshape(bh, *x.shape[-2:]) for x in (q, k, v))
-    return q, k, v, batch, p, args
+    return q, k, v, batch, plan, args

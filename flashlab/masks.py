@@ -55,18 +55,22 @@ class Rules(NamedTuple):
             keep = _and(keep, m[..., _span(cols, m.shape[-1])])
         return keep
 
+    def index(self):
+        """The index rules as the record the scalar forms below take."""
+        left, right = (-1 if w is None else w
+                       for w in (self.window or (None, None)))
+        return Index(self.causal, self.offset, left, right)
+
     def skips(self, rows, cols):
         """True if no pair of the tile is allowed: its work can be skipped.
 
         Decided from the tile's corners when only index rules apply, so a
         skipped tile costs O(1) instead of O(Br Bc).
         """
-        left, right = self.window if self.window is not None else (-1, -1)
         kv = (self.kv_lengths.max() if self.kv_lengths is not None
               else cols.stop)
         if tile_skipped(rows.start, rows.stop, cols.start, cols.stop,
-                        self.causal, self.offset, _bound(left),
-                        _bound(right), kv):
+                        self.index(), kv):
             return True
         if self.mask is None and (self.kv_lengths is None
                                   or self.kv_lengths.min() == kv):
@@ -74,46 +78,76 @@ class Rules(NamedTuple):
         keep = self.allowed(rows, cols)
         return keep is not None and not keep.any()
 
+    def empty_rows(self, batch_shape, nq, nk):
+        """Boolean (*batch, Nq): rows that no key may be attended by.
 
-def _bound(w):
-    """Window side for the scalar rules: -1 for unbounded."""
-    return -1 if w is None else w
+        Only these rows output 0 with lse -inf; see `flashlab.nonfinite`.
+        From closed-form bounds per row, plus one pass over a boolean mask.
+        """
+        i = np.arange(nq)
+        lo = np.zeros(nq, dtype=np.int64)  # first allowed key, ...
+        hi = np.full(nq, nk - 1, dtype=np.int64)  # ... and the last
+        index = self.index()
+        if index.causal:
+            hi = np.minimum(hi, i + index.offset)
+        if index.left >= 0:
+            lo = np.maximum(lo, i + index.offset - index.left)
+        if index.right >= 0:
+            hi = np.minimum(hi, i + index.offset + index.right)
+        if self.kv_lengths is not None:
+            hi = np.minimum(hi, self.kv_lengths[..., 0] - 1)
+        empty = np.broadcast_to(lo > hi, (*batch_shape, nq))
+        if self.mask is not None:
+            keep = self.allowed(range(nq), range(nk))
+            empty = empty | ~np.broadcast_to(keep, (*batch_shape, nq, nk)
+                                             ).any(axis=-1)
+        return empty
 
 
-# Scalar forms of the index rules, compiled by the numba kernels. Window
-# sides are ints with -1 for unbounded; kv_len is the batch element's
-# number of valid keys.
+class Index(NamedTuple):
+    """The index rules in scalar form: window sides -1 when unbounded."""
 
-def pair_allowed(i, j, causal, offset, left, right, kv_len):
+    causal: bool
+    offset: int
+    left: int
+    right: int
+
+
+# Scalar forms of the index rules, compiled by the numba kernels. `r` is
+# any record with the fields of `Index` (the kernels pass their
+# kernel_args.KernelRules); kv_len is the batch element's number of
+# valid keys.
+
+def pair_allowed(i, j, r, kv_len):
     """Whether query i may attend to key j under the index rules."""
-    diag = i + offset
-    if causal and j > diag:
+    diag = i + r.offset
+    if r.causal and j > diag:
         return False
-    if left >= 0 and j < diag - left:
+    if r.left >= 0 and j < diag - r.left:
         return False
-    if right >= 0 and j > diag + right:
+    if r.right >= 0 and j > diag + r.right:
         return False
     return j < kv_len
 
 
-def tile_skipped(i0, i1, j0, j1, causal, offset, left, right, kv_len):
+def tile_skipped(i0, i1, j0, j1, r, kv_len):
     """No pair of rows i0..i1-1 and keys j0..j1-1 is allowed."""
-    if causal and j0 > i1 - 1 + offset:
+    if r.causal and j0 > i1 - 1 + r.offset:
         return True
-    if left >= 0 and j1 - 1 < i0 + offset - left:
+    if r.left >= 0 and j1 - 1 < i0 + r.offset - r.left:
         return True
-    if right >= 0 and j0 > i1 - 1 + offset + right:
+    if r.right >= 0 and j0 > i1 - 1 + r.offset + r.right:
         return True
     return j0 >= kv_len
 
 
-def tile_full(i0, i1, j0, j1, causal, offset, left, right, kv_len):
+def tile_full(i0, i1, j0, j1, r, kv_len):
     """Every pair of the tile is allowed: no per-element masking needed."""
-    if causal and j1 - 1 > i0 + offset:
+    if r.causal and j1 - 1 > i0 + r.offset:
         return False
-    if left >= 0 and j0 < i1 - 1 + offset - left:
+    if r.left >= 0 and j0 < i1 - 1 + r.offset - r.left:
         return False
-    if right >= 0 and j1 - 1 > i0 + offset + right:
+    if r.right >= 0 and j1 - 1 > i0 + r.offset + r.right:
         return False
     return j1 <= kv_len
 
@@ -130,10 +164,14 @@ def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk):
         raise ValueError(
             f"causal: expected one of {CAUSAL_MODES}, got {causal!r}"
         )
+    window = _check_window(window)
+    if window is not None:  # a side past both lengths bounds nothing
+        window = tuple(None if w is not None and w >= nq + nk else w
+                       for w in window)
     return Rules(
         causal=is_causal,
         offset=offset,
-        window=_check_window(window),
+        window=window,
         kv_lengths=_check_lengths(kv_lengths, batch_shape, nk),
         mask=_check_mask(mask, batch_shape, nq, nk),
     )

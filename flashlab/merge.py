@@ -11,7 +11,9 @@ algebra; the online update, the tiled loops and the split-KV paths all
 call `merge`. See chapters 2-5.
 
 An empty block (no allowed key) has m = -inf, l = 0, u = 0: the identity
-of `merge`. The code never forms (-inf) - (-inf), so no NaN appears.
+of `merge`. The code never forms (-inf) - (-inf), so no NaN appears from
+masking; a NaN that the input brings stays NaN (l == 0, never l > 0, is
+what marks an empty row). See `flashlab.nonfinite`.
 
 `row_step` and `row_probability` are the same algebra for one row in
 scalar form; the numba CPU and CUDA kernels compile these very functions.
@@ -33,16 +35,16 @@ class Summary(NamedTuple):
     def output(self):
         """Attention output u / l (..., dv); 0 for rows with no keys."""
         l = self.l[..., None]
-        safe = np.where(l > 0, l, 1)
-        return np.where(l > 0, self.u / safe, 0).astype(self.u.dtype)
+        none = l == 0  # NaN is not "no keys": it must stay NaN
+        return np.where(none, 0, self.u / np.where(none, 1, l)).astype(
+            self.u.dtype)
 
     def lse(self):
         """Log-sum-exp of the scores (...,); -inf for rows with no keys."""
-        positive = self.l > 0
-        safe = np.where(positive, self.l, 1)
-        return np.where(positive, self.m + np.log(safe), -np.inf).astype(
-            self.l.dtype
-        )
+        none = self.l == 0
+        return np.where(none, -np.inf,
+                        self.m + np.log(np.where(none, 1, self.l))).astype(
+            self.l.dtype)
 
 
 def empty(rows_shape, dv, dtype):

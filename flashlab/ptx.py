@@ -70,7 +70,7 @@ def literal_demo():
     """float64 op counts of a float32 kernel with and without literals."""
     from numba import cuda
 
-    from flashlab.gpu import _compiling_without_gpu
+    from flashlab.gpu.build import compiling_without_gpu
 
     def kernel_for(body):
         dev = cuda.jit(device=True)(body)
@@ -86,7 +86,7 @@ def literal_demo():
     for name, body in (("literal 0.0", _with_literal),
                        ("float32(0.0)", _with_float32)):
         kernel = kernel_for(body)
-        with _compiling_without_gpu((9, 0)):
+        with compiling_without_gpu((9, 0)):
             ptx, _ = cuda.compile_ptx(kernel, (float32[::1], float32[::1]),
                                       cc=(9, 0))
         counts[f"demo {name}"] = {"f64": float64_ops(ptx),

@@ -9,8 +9,8 @@ reference every test compares with.
 
 import numpy as np
 
-from flashlab import dropout, masks
-from flashlab._validate import check_qkv, check_scale
+from flashlab import dropout, masks, nonfinite
+from flashlab._validate import check_flag, check_qkv, check_scale
 
 
 def softmax(s):
@@ -53,16 +53,44 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
     Holds the full S and P (..., Nq, Nk). See chapter 1.
     """
     q, k, v = check_qkv(q, k, v)
+    return_lse = check_flag("return_lse", return_lse)
     s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
                kv_lengths=kv_lengths)
-    p = softmax(s)  # (..., Nq, Nk)
-    if dropout_p:
-        keep = dropout_mask
-        if keep is None:
-            keep = dropout.keep_mask(dropout_p, seed, s.shape)
-        p = np.where(keep, p / (1 - dropout_p), 0)
-    o = p @ v  # (..., Nq, dv)
-    return (o, logsumexp(s)) if return_lse else o
+    keep = _dropout_keep(dropout_p, seed, dropout_mask, s.shape)
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN by the rule
+        p = softmax(s)  # (..., Nq, Nk)
+        if keep is not None:
+            p = np.where(keep, p / (1 - dropout_p), 0)
+        o = p @ v  # (..., Nq, dv)
+        lse = logsumexp(s)
+    empty = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
+                        q.shape[-2], k.shape[-2]).empty_rows(
+        q.shape[:-2], q.shape[-2], k.shape[-2])
+    nonfinite.finish(o, lse, v, empty)
+    return (o, lse) if return_lse else o
+
+
+def _dropout_keep(dropout_p, seed, dropout_mask, shape):
+    """The boolean keep mask of a call, or None without dropout."""
+    made = dropout.make(dropout_p, 0 if dropout_mask is not None else seed,
+                        shape[:-2])  # validates dropout_p (and seed)
+    if dropout_mask is None:
+        return None if made is None else made.keep(range(shape[-2]),
+                                                   range(shape[-1]))
+    if made is None:
+        raise ValueError("dropout_mask: given, but dropout_p is 0")
+    keep = np.asarray(dropout_mask)
+    if keep.dtype != np.bool_:
+        raise TypeError(f"dropout_mask: expected a boolean array (True = "
+                        f"kept), got dtype {keep.dtype}")
+    try:
+        ok = np.broadcast_shapes(keep.shape, shape) == tuple(shape)
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"dropout_mask: expected a shape broadcastable to "
+                         f"{tuple(shape)}, got {keep.shape}")
+    return keep
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,

@@ -18,15 +18,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashlab import dropout, masks, merge
+from flashlab import dropout, masks, merge, nonfinite
 from flashlab._validate import (
     as_float_array,
     check_block,
+    check_flag,
     check_qkv,
     check_scale,
 )
 
 ORDERS = ("fa2", "fa1")
+BLOCK = 64  # default Br and Bc of the numpy and CPU backends
 
 
 class Tile(NamedTuple):
@@ -50,16 +52,23 @@ class Plan(NamedTuple):
     rules: masks.Rules
     dropout: dropout.Dropout | None
 
+    def empty_rows(self, batch_shape):
+        """Boolean (*batch, Nq): rows the masks leave without keys."""
+        return self.rules.empty_rows(batch_shape, self.nq, self.nk)
 
-def attention(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
-              mask=None, window=None, kv_lengths=None, dropout_p=0.0,
-              seed=None, return_lse=False, order="fa2"):
+
+def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
+              causal=False, mask=None, window=None, kv_lengths=None,
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
     """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Returns o (..., Nq, dv), and lse (..., Nq) if return_lse. Rows with no
-    allowed key give 0 and lse = -inf. Masking rules: `flashlab.masks`;
-    dropout (with an integer seed): `flashlab.dropout`.
+    allowed key give 0 and lse = -inf; non-finite input gives NaN
+    (`flashlab.nonfinite`). Masking rules: `flashlab.masks`; dropout (with
+    an integer seed): `flashlab.dropout`. Block sizes default to BLOCK.
+    Every backend (cpu, gpu, torch) takes these same keywords.
     """
+    return_lse = check_flag("return_lse", return_lse)
     o, lse = _run(q, k, v, order, None, block_q=block_q, block_k=block_k,
                   scale=scale, causal=causal, mask=mask, window=window,
                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed)
@@ -76,37 +85,51 @@ def trace(q, k, v, *, order="fa2", **options):
     return tiles
 
 
-def plan(q, k, v, *, block_q=64, block_k=64, scale=None, causal=False,
+def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
          mask=None, window=None, kv_lengths=None, dropout_p=0.0, seed=None):
-    """Validate the arguments; return arrays and the `Plan` of the loops."""
+    """Validate the arguments; return arrays and the `Plan` of the loops.
+
+    Block sizes larger than the sequence are clamped to it.
+    """
     q, k, v = check_qkv(q, k, v)
     nq, nk = q.shape[-2], k.shape[-2]
     batch = q.shape[:-2]
     return q, k, v, Plan(
         nq=nq,
         nk=nk,
-        block_q=check_block("block_q", block_q),
-        block_k=check_block("block_k", block_k),
+        block_q=min(check_block("block_q", block_q, BLOCK), nq),
+        block_k=min(check_block("block_k", block_k, BLOCK), nk),
         scale=check_scale(scale, q.shape[-1]),
         rules=masks.rules(causal, window, kv_lengths, mask, batch, nq, nk),
         dropout=dropout.make(dropout_p, seed, batch),
     )
 
 
+def check_order(order, supported=ORDERS):
+    """Return the loop order, or raise naming what this backend runs."""
+    if not isinstance(order, str) or order not in supported:
+        raise ValueError(
+            f"order: expected one of {supported}, got {order!r}")
+    return order
+
+
 def _run(q, k, v, order, on_tile, **options):
-    if order not in ORDERS:
-        raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
-    q, k, v, p = plan(q, k, v, **options)
-    rows = (*q.shape[:-2], p.nq)
+    order = check_order(order)
+    q, k, v, plan_ = plan(q, k, v, **options)
+    rows = (*q.shape[:-2], plan_.nq)
     o = np.empty((*rows, v.shape[-1]), dtype=q.dtype)
-    if order == "fa2":
-        lse = np.empty(rows, dtype=q.dtype)
-        forward_fa2(q, k, v, o, lse, p, on_tile)
-        return o, lse
-    m = np.empty(rows, dtype=q.dtype)
-    l = np.empty(rows, dtype=q.dtype)
-    forward_fa1(q, k, v, o, l, m, p, on_tile)
-    return o, merge.Summary(m, l, o).lse()
+    # inf - inf in a row with an overflowing score is NaN by design
+    with np.errstate(invalid="ignore"):
+        if order == "fa2":
+            lse = np.empty(rows, dtype=q.dtype)
+            forward_fa2(q, k, v, o, lse, plan_, on_tile)
+        else:
+            m = np.empty(rows, dtype=q.dtype)
+            l = np.empty(rows, dtype=q.dtype)
+            forward_fa1(q, k, v, o, l, m, plan_, on_tile)
+            lse = merge.Summary(m, l, o).lse()
+        nonfinite.finish(o, lse, v, plan_.empty_rows(q.shape[:-2]))
+    return o, lse
 
 
 def blocks(n, size):
@@ -114,10 +137,10 @@ def blocks(n, size):
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def score_tile(q_i, k_j, rows, cols, p):
+def score_tile(q_i, k_j, rows, cols, plan):
     """S_ij = tau Q_i K_j^T (..., Br, Bc), with masked pairs at -inf."""
     s_ij = q_i @ np.swapaxes(k_j, -1, -2)  # (..., Br, Bc)
-    keep = p.rules.allowed(rows, cols)
+    keep = plan.rules.allowed(rows, cols)
     return s_ij if keep is None else np.where(keep, s_ij, -np.inf)
 
 
@@ -128,36 +151,36 @@ def load_kv(k, v, cols):
             None if v is None else v[..., span, :])
 
 
-def summarize_tile(s_ij, v_j, rows, cols, p):
+def summarize_tile(s_ij, v_j, rows, cols, plan):
     """The tile's row summaries, with dropout applied to the numerator."""
     weights = None
-    if p.dropout is not None:
-        weights = p.dropout.weights(rows, cols, s_ij.dtype)
+    if plan.dropout is not None:
+        weights = plan.dropout.weights(rows, cols, s_ij.dtype)
     return merge.summarize(s_ij, v_j, weights)
 
 
-def load_q(q, rows, p):
+def load_q(q, rows, plan):
     """Q_i scaled by tau (..., Br, d): scaling Q once saves a pass over S."""
-    return q[..., rows.start:rows.stop, :] * q.dtype.type(p.scale)
+    return q[..., rows.start:rows.stop, :] * q.dtype.type(plan.scale)
 
 
-def forward_fa2(q, k, v, o, lse, p, on_tile=None):
+def forward_fa2(q, k, v, o, lse, plan, on_tile=None):
     """FlashAttention-2 order: query blocks outer, K/V blocks inner.
 
     lse may be None when the statistics are not needed (inference).
     """
     dv = v.shape[-1]
-    for rows in blocks(p.nq, p.block_q):
-        q_i = load_q(q, rows, p)  # HBM -> chip once per query block
+    for rows in blocks(plan.nq, plan.block_q):
+        q_i = load_q(q, rows, plan)  # HBM -> chip once per query block
         state = merge.empty((*q_i.shape[:-2], len(rows)), dv, q.dtype)
-        for cols in blocks(p.nk, p.block_k):
-            if p.rules.skips(rows, cols):
+        for cols in blocks(plan.nk, plan.block_k):
+            if plan.rules.skips(rows, cols):
                 continue  # no allowed pair: no loads, no arithmetic
             k_j, v_j = load_kv(k, v, cols)  # reloaded for every Q_i
-            s_ij = score_tile(q_i, k_j, rows, cols, p)
+            s_ij = score_tile(q_i, k_j, rows, cols, plan)
             before = state
             state = merge.merge(state, summarize_tile(s_ij, v_j, rows,
-                                                      cols, p))
+                                                      cols, plan))
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
         o[..., rows.start:rows.stop, :] = state.output()  # one division
@@ -165,7 +188,7 @@ def forward_fa2(q, k, v, o, lse, p, on_tile=None):
             lse[..., rows.start:rows.stop] = state.lse()
 
 
-def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
+def forward_fa1(q, k, v, o, l, m, plan, on_tile=None):
     """FlashAttention-1 order: K/V blocks outer, query blocks inner.
 
     o, l, m live in slow memory between visits: o is kept normalized
@@ -174,21 +197,21 @@ def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
     o[...] = 0  # Algorithm 1 initializes O, l and m in HBM
     l[...] = 0
     m[...] = -np.inf
-    for cols in blocks(p.nk, p.block_k):
+    for cols in blocks(plan.nk, plan.block_k):
         kv_j = None  # K_j, V_j: loaded once, kept on chip for all Q_i
-        for rows in blocks(p.nq, p.block_q):
-            if p.rules.skips(rows, cols):
+        for rows in blocks(plan.nq, plan.block_q):
+            if plan.rules.skips(rows, cols):
                 continue
             if kv_j is None:
                 kv_j = load_kv(k, v, cols)
             k_j, v_j = kv_j
             r = slice(rows.start, rows.stop)
-            q_i = load_q(q, rows, p)  # reloaded for every K/V block
-            s_ij = score_tile(q_i, k_j, rows, cols, p)
+            q_i = load_q(q, rows, plan)  # reloaded for every K/V block
+            s_ij = score_tile(q_i, k_j, rows, cols, plan)
             l_i, m_i = l[..., r], m[..., r]  # HBM -> chip
             before = merge.Summary(m_i, l_i, l_i[..., None] * o[..., r, :])
             state = merge.merge(before, summarize_tile(s_ij, v_j, rows,
-                                                       cols, p))
+                                                       cols, plan))
             o[..., r, :] = state.output()  # chip -> HBM, normalized
             l[..., r] = state.l
             m[..., r] = state.m
@@ -196,46 +219,55 @@ def forward_fa1(q, k, v, o, l, m, p, on_tile=None):
                 on_tile(Tile(rows, cols, s_ij, before, state))
 
 
-def attention_backward(q, k, v, o, lse, do, **options):
+def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
+                       scale=None, causal=False, mask=None, window=None,
+                       kv_lengths=None, dropout_p=0.0, seed=None,
+                       order="fa2"):
     """Gradients (dq, dk, dv) of attention, recomputing tiles. See chapter 8.
 
     Needs only the forward's output o (..., Nq, dv) and row log-sum-exp lse
-    (..., Nq), plus the upstream gradient do (..., Nq, dv); takes the same
-    keyword options as `attention` (dropout with the same seed).
+    (..., Nq), plus the upstream gradient do (..., Nq, dv); takes the
+    keywords of `attention` (dropout with the same seed). Both forward
+    orders have this one backward loop (K/V blocks outermost), so `order`
+    only names the forward it follows.
     """
-    q, k, v, p = plan(q, k, v, **options)
+    check_order(order)
+    q, k, v, plan_ = plan(q, k, v, block_q=block_q, block_k=block_k,
+                          scale=scale, causal=causal, mask=mask,
+                          window=window, kv_lengths=kv_lengths,
+                          dropout_p=dropout_p, seed=seed)
     o, lse, do = check_saved(q, v, o, lse, do)
     dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
-    backward(q, k, v, o, lse, do, dq, dk, dv, p)
+    backward(q, k, v, o, lse, do, dq, dk, dv, plan_)
     return dq, dk, dv
 
 
-def backward(q, k, v, o, lse, do, dq, dk, dv, p):
+def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
     """FlashAttention-2 backward: K/V blocks outer, query blocks inner.
 
     dK_j, dV_j accumulate on chip; dQ_i accumulates in slow memory.
     """
     delta = (do * o).sum(axis=-1)  # D_i = rowsum(dO * O) (..., Nq)
-    for cols in blocks(p.nk, p.block_k):
+    for cols in blocks(plan.nk, plan.block_k):
         k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, dv)
         dk_j = np.zeros_like(k_j)
         dv_j = np.zeros_like(v_j)
-        for rows in blocks(p.nq, p.block_q):
-            if p.rules.skips(rows, cols):
+        for rows in blocks(plan.nq, plan.block_q):
+            if plan.rules.skips(rows, cols):
                 continue
             r = slice(rows.start, rows.stop)
-            q_i = load_q(q, rows, p)  # tau Q_i (..., Br, d)
-            s_ij = score_tile(q_i, k_j, rows, cols, p)  # recomputed
+            q_i = load_q(q, rows, plan)  # tau Q_i (..., Br, d)
+            s_ij = score_tile(q_i, k_j, rows, cols, plan)  # recomputed
             p_ij = merge.probabilities(s_ij, lse[..., r])  # (..., Br, Bc)
             dp_ij = do[..., r, :] @ np.swapaxes(v_j, -1, -2)  # (..., Br, Bc)
             pz_ij = p_ij
-            if p.dropout is not None:  # same decisions as the forward
-                z = p.dropout.weights(rows, cols, p_ij.dtype)
+            if plan.dropout is not None:  # same decisions as the forward
+                z = plan.dropout.weights(rows, cols, p_ij.dtype)
                 pz_ij = p_ij * z
                 dp_ij = dp_ij * z
             dv_j += np.swapaxes(pz_ij, -1, -2) @ do[..., r, :]
             ds_ij = p_ij * (dp_ij - delta[..., r, None])  # dS = P(dP - D)
-            dq[..., r, :] += q.dtype.type(p.scale) * (ds_ij @ k_j)
+            dq[..., r, :] += q.dtype.type(plan.scale) * (ds_ij @ k_j)
             dk_j += np.swapaxes(ds_ij, -1, -2) @ q_i  # tau already in q_i
         dk[..., cols.start:cols.stop, :] = dk_j
         dv[..., cols.start:cols.stop, :] = dv_j

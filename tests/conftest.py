@@ -5,17 +5,12 @@ is made here, before any test module imports flashlab.gpu. On a machine
 with an NVIDIA driver the real GPU is used; run `pytest -m gpu` there.
 """
 
-import os
-import shutil
-
 import numpy as np
 import pytest
 
-HAS_GPU = (os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
-           or shutil.which("nvidia-smi") is not None)
-if not HAS_GPU:
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+from flashlab import cuda_target
+
+SIMULATOR = cuda_target.choose() == "simulator"
 
 
 @pytest.fixture

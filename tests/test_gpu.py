@@ -25,8 +25,8 @@ def check_forward(q, k, v, version, **opts):
     o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
     err_naive = max_abs_err(reference.naive(q, k, v, **opts), o_ref)
     assert o.dtype == np.float32 and not np.isnan(o).any()
-    nk, d = k.shape[-2], max(q.shape[-1], v.shape[-1])
-    tile = 1 if version == 1 else (16 if version > 2 and d > 64 else 32)
+    nk = k.shape[-2]
+    _, tile = gpu.tile_shape(version, q.shape[-1], v.shape[-1])
     merges = -(-nk // tile)  # v1 merges key by key
     assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
     finite = np.isfinite(lse_ref)

@@ -44,8 +44,8 @@ def test_patterns_match_definition_and_skip_only_empty_tiles(
     keep = rules.allowed(range(nq), range(nk))
     want = explicit(nq, nk, causal, window)
     assert np.array_equal(np.ones_like(want) if keep is None else keep, want)
-    left, right = (-1 if w is None else w for w in (window or (None,) * 2))
-    scalar = (rules.causal, rules.offset, left, right, nk)
+    scalar = (rules.index(), nk)
+    assert np.array_equal(rules.empty_rows((), nq, nk), ~want.any(axis=-1))
     for i in range(nq):  # the kernels' scalar form agrees pair by pair
         for j in range(nk):
             assert masks.pair_allowed(i, j, *scalar) == want[i, j]

@@ -1,0 +1,342 @@
+"""Backward kernels: dK and dV over key blocks, dQ over query blocks.
+
+Two kernels without atomics, so the gradients are bitwise identical from
+run to run (chapter 8's recomputation: S and P are rebuilt from Q, K and
+the saved lse, never stored). For head dims up to BLOCKED_MAX_DIM they are
+register blocked like forward v4; larger head dims use one thread per key
+or query row. `device.row_dot` computes D_i = rowsum(dO_i * O_i) first.
+"""
+
+from numba import cuda, float32
+
+from flashlab.gpu.device import (
+    F0,
+    F1,
+    NEG_INF,
+    THREADS,
+    allowed,
+    dropout_weight,
+    output_piece,
+    row_probability,
+    score_piece,
+    stage,
+    tile_skipped,
+)
+
+BLOCK_BWD = 32  # keys (dK/dV pass) or queries (dQ pass) per blocked tile
+BLOCKED_MAX_DIM = 64  # larger head dims would overflow 48 KiB of SRAM
+
+
+def sizes(D, D_V):
+    """(threads per block, rows per staged chunk) of the backward kernels."""
+    return (64, 16) if max(D, D_V) <= 64 else (32, 8)
+
+
+def make_kv(D, D_V):
+    """dK, dV: one thread per key row; query chunks staged in SRAM."""
+    NT, CH = sizes(D, D_V)
+    DP, D_VP = D + 1, D_V + 1  # padded own rows: conflict-free reads
+
+    @cuda.jit
+    def backward_kv(q, k, v, do, lse, delta, dk, dv, rules, kv_len, mask):
+        k_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
+        v_s = cuda.shared.array((NT, D_VP), float32)
+        q_s = cuda.shared.array((CH, D), float32)
+        do_s = cuda.shared.array((CH, D_V), float32)
+        lse_s = cuda.shared.array(CH, float32)
+        dl_s = cuda.shared.array(CH, float32)
+        dk_j = cuda.local.array(D, float32)
+        dv_j = cuda.local.array(D_V, float32)
+        pk = cuda.local.array(D, float32)  # this chunk's share, summed
+        pvv = cuda.local.array(D_V, float32)  # apart (a blocked sum)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * NT
+        j = j0 + t
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + NT, nk)
+        for x in range(D):
+            k_s[t, x] = k[b, j, x] if j < nk else F0
+            dk_j[x] = F0
+        for x in range(D_V):
+            v_s[t, x] = v[b, j, x] if j < nk else F0
+            dv_j[x] = F0
+        for i0 in range(0, nq, CH):
+            if tile_skipped(i0, min(i0 + CH, nq), j0, j1, rules, kv_len[b]):
+                continue
+            cuda.syncthreads()  # the previous chunk is no longer read
+            stage(q_s, q, b, i0, CH, D, rules.scale, t, NT)
+            stage(do_s, do, b, i0, CH, D_V, F1, t, NT)
+            if t < CH:
+                inside = i0 + t < nq
+                lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
+                dl_s[t] = delta[b, i0 + t] if inside else F0
+            cuda.syncthreads()  # the chunk of Q, dO, lse, D is loaded
+            for x in range(D):
+                pk[x] = F0
+            for x in range(D_V):
+                pvv[x] = F0
+            for r in range(CH):
+                if not allowed(b, i0 + r, j, nq, nk, rules, kv_len, mask):
+                    continue
+                s = F0
+                for x in range(D):
+                    s += q_s[r, x] * k_s[t, x]
+                p = row_probability(s, lse_s[r], rules.lowest)
+                dp = F0
+                for x in range(D_V):
+                    dp += do_s[r, x] * v_s[t, x]
+                z = dropout_weight(b, i0 + r, j, rules)
+                pz = p * z
+                ds = p * (dp * z - dl_s[r])
+                for x in range(D_V):
+                    pvv[x] += pz * do_s[r, x]
+                for x in range(D):
+                    pk[x] += ds * q_s[r, x]  # q_s already holds tau Q
+            for x in range(D):
+                dk_j[x] += pk[x]
+            for x in range(D_V):
+                dv_j[x] += pvv[x]
+        if j < nk:
+            for x in range(D):
+                dk[b, j, x] = dk_j[x]
+            for x in range(D_V):
+                dv[b, j, x] = dv_j[x]
+
+    return backward_kv
+
+
+def make_q(D, D_V):
+    """dQ: one thread per query row; key chunks staged in SRAM."""
+    NT, CH = sizes(D, D_V)
+    DP, D_VP = D + 1, D_V + 1  # padded own rows: conflict-free reads
+
+    @cuda.jit
+    def backward_q(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
+        q_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
+        do_s = cuda.shared.array((NT, D_VP), float32)
+        k_s = cuda.shared.array((CH, D), float32)
+        v_s = cuda.shared.array((CH, D_V), float32)
+        dq_i = cuda.local.array(D, float32)
+        pq = cuda.local.array(D, float32)  # this chunk's share
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * NT
+        i = i0 + t
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + NT, nq)
+        for x in range(D):
+            q_s[t, x] = q[b, i, x] * rules.scale if i < nq else F0
+            dq_i[x] = F0
+        for x in range(D_V):
+            do_s[t, x] = do[b, i, x] if i < nq else F0
+        lse_i = lse[b, i] if i < nq else NEG_INF
+        d_i = delta[b, i] if i < nq else F0
+        for j0 in range(0, nk, CH):
+            if tile_skipped(i0, i1, j0, min(j0 + CH, nk), rules, kv_len[b]):
+                continue
+            cuda.syncthreads()  # the previous chunk is no longer read
+            stage(k_s, k, b, j0, CH, D, F1, t, NT)
+            stage(v_s, v, b, j0, CH, D_V, F1, t, NT)
+            cuda.syncthreads()  # the chunk of K and V is loaded
+            for x in range(D):
+                pq[x] = F0
+            for c in range(CH):
+                if not allowed(b, i, j0 + c, nq, nk, rules, kv_len, mask):
+                    continue
+                s = F0
+                for x in range(D):
+                    s += q_s[t, x] * k_s[c, x]
+                p = row_probability(s, lse_i, rules.lowest)
+                dp = F0
+                for x in range(D_V):
+                    dp += do_s[t, x] * v_s[c, x]
+                z = dropout_weight(b, i, j0 + c, rules)
+                ds = p * (dp * z - d_i) * rules.scale
+                for x in range(D):
+                    pq[x] += ds * k_s[c, x]
+            for x in range(D):
+                dq_i[x] += pq[x]
+        if i < nq:
+            for x in range(D):
+                dq[b, i, x] = dq_i[x]
+
+    return backward_q
+
+
+def make_kv_blocked(D, D_V):
+    """dK, dV with register blocking, for head dims up to 64.
+
+    A block owns 32 keys and walks over chunks of 32 queries. Each of its
+    128 threads computes a 4 x 2 piece of S^T = K_j Q_i^T and of
+    dP^T = V_j dO_i^T in registers, then 4 rows of dV_j += (P Z)^T dO_i
+    and dK_j += dS^T Q_i; no atomics, so the result is bitwise repeatable.
+    """
+    BK = BQ = BLOCK_BWD
+    RM = 4
+    TY = BK // RM
+    TX = THREADS // TY
+    CN = BQ // TX
+    OK_, OV = D // TX, D_V // TX
+    DP, D_VP, BQP = D + 1, D_V + 1, BQ + 1
+
+    @cuda.jit
+    def backward_kv_blocked(q, k, v, do, lse, delta, dk, dv, rules, kv_len,
+                            mask):
+        k_s = cuda.shared.array((BK, DP), float32)
+        v_s = cuda.shared.array((BK, D_VP), float32)
+        q_s = cuda.shared.array((BQ, DP), float32)
+        do_s = cuda.shared.array((BQ, D_VP), float32)
+        pt_s = cuda.shared.array((BK, BQP), float32)  # (P Z)^T
+        dst_s = cuda.shared.array((BK, BQP), float32)  # dS^T
+        lse_s = cuda.shared.array(BQ, float32)
+        dl_s = cuda.shared.array(BQ, float32)
+        s = cuda.local.array((RM, CN), float32)
+        dp = cuda.local.array((RM, CN), float32)
+        qa = cuda.local.array(RM, float32)
+        ones = cuda.local.array(RM, float32)
+        acc_k = cuda.local.array((RM, OK_), float32)
+        acc_v = cuda.local.array((RM, OV), float32)
+        pk = cuda.local.array((RM, OK_), float32)
+        pvv = cuda.local.array((RM, OV), float32)
+        vk = cuda.local.array(OK_, float32)
+        vv = cuda.local.array(OV, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        j0 = cuda.blockIdx.x * BK
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + BK, nk)
+        kv = kv_len[b]
+        for a in range(RM):
+            ones[a] = F1
+            for c in range(OK_):
+                acc_k[a, c] = F0
+            for c in range(OV):
+                acc_v[a, c] = F0
+        # HBM -> SRAM once: K_j, V_j, used against every query chunk
+        stage(k_s, k, b, j0, BK, D, F1, t, THREADS)
+        stage(v_s, v, b, j0, BK, D_V, F1, t, THREADS)
+        for i0 in range(0, nq, BQ):
+            i1 = min(i0 + BQ, nq)
+            if tile_skipped(i0, i1, j0, j1, rules, kv):
+                continue  # uniform over the block: barriers stay aligned
+            cuda.syncthreads()  # the previous chunk is no longer read
+            stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
+            stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
+            if t < BQ:
+                inside = i0 + t < nq
+                lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
+                dl_s[t] = delta[b, i0 + t] if inside else F0
+            cuda.syncthreads()  # K_j, V_j and this chunk are in SRAM
+            score_piece(s, qa, k_s, q_s, ty * RM, tx * CN, RM, CN, D)
+            score_piece(dp, qa, v_s, do_s, ty * RM, tx * CN, RM, CN, D_V)
+            for a in range(RM):
+                r = ty * RM + a  # key row in the block
+                for c in range(CN):
+                    col = tx * CN + c  # query in the chunk
+                    i, j = i0 + col, j0 + r
+                    if allowed(b, i, j, nq, nk, rules, kv_len, mask):
+                        p = row_probability(s[a, c], lse_s[col], rules.lowest)
+                        z = dropout_weight(b, i, j, rules)
+                        pt_s[r, col] = p * z
+                        dst_s[r, col] = p * (dp[a, c] * z - dl_s[col])
+                    else:
+                        pt_s[r, col] = F0
+                        dst_s[r, col] = F0
+            cuda.syncthreads()  # (P Z)^T and dS^T complete
+            output_piece(acc_v, pvv, vv, ones, pt_s, do_s, ty * RM, tx, RM,
+                          OV, BQ, TX)
+            output_piece(acc_k, pk, vk, ones, dst_s, q_s, ty * RM, tx, RM,
+                          OK_, BQ, TX)  # q_s holds tau Q: dK = tau dS^T Q
+        for a in range(RM):
+            j = j0 + ty * RM + a
+            if j < nk:
+                for c in range(OK_):
+                    dk[b, j, tx + TX * c] = acc_k[a, c]
+                for c in range(OV):
+                    dv[b, j, tx + TX * c] = acc_v[a, c]
+
+    return backward_kv_blocked
+
+
+def make_q_blocked(D, D_V):
+    """dQ with register blocking, for head dims up to 64.
+
+    A block owns 32 queries and walks over chunks of 32 keys; each thread
+    computes a 4 x 2 piece of S and dP, then 4 rows of dQ_i += tau dS K_j.
+    """
+    BQ = BK = BLOCK_BWD
+    RM = 4
+    TY = BQ // RM
+    TX = THREADS // TY
+    CN = BK // TX
+    OQ = D // TX
+    DP, D_VP, BKP = D + 1, D_V + 1, BK + 1
+
+    @cuda.jit
+    def backward_q_blocked(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
+        q_s = cuda.shared.array((BQ, DP), float32)
+        do_s = cuda.shared.array((BQ, D_VP), float32)
+        k_s = cuda.shared.array((BK, DP), float32)
+        v_s = cuda.shared.array((BK, D_VP), float32)
+        ds_s = cuda.shared.array((BQ, BKP), float32)
+        lse_s = cuda.shared.array(BQ, float32)
+        dl_s = cuda.shared.array(BQ, float32)
+        s = cuda.local.array((RM, CN), float32)
+        dp = cuda.local.array((RM, CN), float32)
+        qa = cuda.local.array(RM, float32)
+        ones = cuda.local.array(RM, float32)
+        acc = cuda.local.array((RM, OQ), float32)
+        pq = cuda.local.array((RM, OQ), float32)
+        vq = cuda.local.array(OQ, float32)
+        t = cuda.threadIdx.x
+        ty, tx = t // TX, t % TX
+        b = cuda.blockIdx.y
+        i0 = cuda.blockIdx.x * BQ
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BQ, nq)
+        kv = kv_len[b]
+        for a in range(RM):
+            ones[a] = F1
+            for c in range(OQ):
+                acc[a, c] = F0
+        stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
+        stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
+        if t < BQ:
+            inside = i0 + t < nq
+            lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
+            dl_s[t] = delta[b, i0 + t] if inside else F0
+        for j0 in range(0, nk, BK):
+            j1 = min(j0 + BK, nk)
+            if tile_skipped(i0, i1, j0, j1, rules, kv):
+                continue  # uniform over the block: barriers stay aligned
+            cuda.syncthreads()  # the previous chunk is no longer read
+            stage(k_s, k, b, j0, BK, D, F1, t, THREADS)
+            stage(v_s, v, b, j0, BK, D_V, F1, t, THREADS)
+            cuda.syncthreads()  # Q_i, dO_i and this K/V chunk are in SRAM
+            score_piece(s, qa, q_s, k_s, ty * RM, tx * CN, RM, CN, D)
+            score_piece(dp, qa, do_s, v_s, ty * RM, tx * CN, RM, CN, D_V)
+            for a in range(RM):
+                r = ty * RM + a  # query row in the block
+                for c in range(CN):
+                    col = tx * CN + c  # key in the chunk
+                    i, j = i0 + r, j0 + col
+                    if allowed(b, i, j, nq, nk, rules, kv_len, mask):
+                        p = row_probability(s[a, c], lse_s[r], rules.lowest)
+                        z = dropout_weight(b, i, j, rules)
+                        ds_s[r, col] = (p * (dp[a, c] * z - dl_s[r])
+                                        * rules.scale)
+                    else:
+                        ds_s[r, col] = F0
+            cuda.syncthreads()  # tau dS_ij complete
+            output_piece(acc, pq, vq, ones, ds_s, k_s, ty * RM, tx, RM, OQ,
+                          BK, TX)
+        for a in range(RM):
+            i = i0 + ty * RM + a
+            if i < nq:
+                for c in range(OQ):
+                    dq[b, i, tx + TX * c] = acc[a, c]
+
+    return backward_q_blocked
+

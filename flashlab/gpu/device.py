@@ -1,0 +1,214 @@
+"""Device functions and tile layouts that the GPU kernels share.
+
+Everything here is float32 (every constant is a float32, so no float64
+instruction reaches the PTX). The per-row algebra is `merge.row_step`,
+the mask rules `masks.pair_allowed`, the dropout hash `dropout.keep_bits`:
+the same Python functions the CPU kernels compile. `rules` is the
+`kernel_args.KernelRules` record of the call. See chapter 9.
+"""
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from numba import cuda, uint64
+
+from flashlab import dropout, masks, merge, nonfinite
+
+THREADS = 128  # threads per block of v1, v3, v4 and the blocked backward
+F0 = np.float32(0)
+F1 = np.float32(1)
+NEG_INF = np.float32(-np.inf)
+NAN = np.float32(np.nan)
+
+row_step = cuda.jit(device=True)(merge.row_step)
+row_probability = cuda.jit(device=True)(merge.row_probability)
+tile_skipped = cuda.jit(device=True)(masks.tile_skipped)
+tile_full = cuda.jit(device=True)(masks.tile_full)
+bad_columns = cuda.jit(device=True)(nonfinite.bad_columns)
+finish_row = cuda.jit(device=True)(nonfinite.finish_row)
+_pair_allowed = cuda.jit(device=True)(masks.pair_allowed)
+_keep_bits = cuda.jit(device=True)(dropout.keep_bits)
+
+
+class Tiles(NamedTuple):
+    """The register-blocked layout of v3 and v4 for head dims (d, d_v).
+
+    A block of THREADS threads owns BR query rows; each K/V tile has BC
+    keys. Thread t = ty * TX + tx holds an RM x CN piece of S_ij and RM
+    rows of the output, every TX-th of its OC columns.
+    """
+
+    BR: int  # query rows per block
+    BC: int  # keys per tile
+    RM: int  # rows of S and O per thread
+    TX: int  # threads along a row
+    CN: int  # columns of S per thread
+    OC: int  # columns of O per thread (strided by TX)
+    DP: int  # padded SRAM row of Q and K: column reads hit distinct banks
+    BCP: int  # padded SRAM row of P
+
+
+def tiles(d, d_v):
+    """The `Tiles` of v3/v4: 64 x 32 up to d = 64, else 32 x 16 (48 KiB)."""
+    br, bc = (64, 32) if max(d, d_v) <= 64 else (32, 16)
+    rm = 4
+    tx = THREADS // (br // rm)
+    return Tiles(BR=br, BC=bc, RM=rm, TX=tx, CN=bc // tx, OC=d_v // tx,
+                 DP=d + 1, BCP=bc + 1)
+
+
+@cuda.jit(device=True)
+def allowed(b, i, j, nq, nk, rules, kv_len, mask):
+    """Pair (i, j) of batch element b is in range and allowed."""
+    if i >= nq or j >= nk:
+        return False
+    ok = _pair_allowed(i, j, rules, kv_len[b])
+    if ok and rules.use_mask:
+        ok = mask[b, i, j] != 0
+    return ok
+
+
+@cuda.jit(device=True)
+def dropout_weight(b, i, j, rules):
+    """1 / (1 - p) for a kept pair, 0 for a dropped one, 1 without dropout."""
+    if not rules.use_dropout:
+        return rules.drop_scale
+    if _keep_bits(rules.seed, uint64(b), uint64(i),
+                  uint64(j)) < rules.threshold:
+        return F0
+    return rules.drop_scale
+
+
+@cuda.jit(device=True)
+def stage(dst, src, b, r0, rows, cols, scale, t, nthreads):
+    """HBM -> SRAM: rows r0.. of src[b], times scale, into dst[:rows].
+
+    Called by every thread of the block with its own t; rows past the end
+    of src are zero-filled, so ragged tiles need no special case.
+    """
+    n = src.shape[1]
+    for e in range(t, rows * cols, nthreads):
+        r = e // cols
+        x = e - r * cols
+        dst[r, x] = src[b, r0 + r, x] * scale if r0 + r < n else F0
+
+
+@cuda.jit(device=True)
+def score_piece(s, qa, q_s, k_s, r0, c0, rm, cn, d):
+    """s[:rm, :cn] = rows r0.. of Q_i (SRAM) times cols c0.. of K_j^T.
+
+    Each value loaded from SRAM feeds rm or cn multiply-adds: the point
+    of register blocking. rm, cn, d are compile-time constants of the
+    caller, so the loops unroll and s, qa stay in registers.
+    """
+    for a in range(rm):
+        for c in range(cn):
+            s[a, c] = F0
+    for x in range(d):
+        for a in range(rm):
+            qa[a] = q_s[r0 + a, x]
+        for c in range(cn):
+            kc = k_s[c0 + c, x]
+            for a in range(rm):
+                s[a, c] += qa[a] * kc
+
+
+@cuda.jit(device=True)
+def output_piece(acc, pv, vv, al, p_s, v_s, r0, tx, rm, oc, bc, tx_n):
+    """acc = al * acc + P_ij V_j for rows r0.. and columns tx, tx + tx_n..
+
+    The tile's product is summed on its own first (a blocked sum: rounding
+    grows with Bc + N / Bc rather than N), then added to the rescaled acc.
+    """
+    for a in range(rm):
+        for c in range(oc):
+            pv[a, c] = F0
+    for col in range(bc):
+        for c in range(oc):
+            vv[c] = v_s[col, tx + tx_n * c]
+        for a in range(rm):
+            p = p_s[r0 + a, col]
+            for c in range(oc):
+                pv[a, c] += p * vv[c]
+    for a in range(rm):
+        for c in range(oc):
+            acc[a, c] = al[a] * acc[a, c] + pv[a, c]
+
+
+@cuda.jit(device=True)
+def open_tile(s, qa, q_s, k_s, v_s, k, v, b, i0, i1, j0, nq, rules,
+              kv_len, mask, t, bc, rm, cn, d, d_v):
+    """Visit K/V tile j0 of a v3/v4 block; False if it is skipped.
+
+    Otherwise K_j and V_j are in SRAM and s holds this thread's rm x cn
+    piece of S_ij (rows ty * rm.., keys tx * cn..), -inf where masked.
+    """
+    nk = k.shape[1]
+    j1 = min(j0 + bc, nk)
+    kv = kv_len[b]
+    if tile_skipped(i0, i1, j0, j1, rules, kv):
+        return False  # uniform over the block: barriers stay aligned
+    full = (not rules.use_mask and j1 - j0 == bc
+            and tile_full(i0, i1, j0, j1, rules, kv))
+    # HBM -> SRAM: K_j, V_j (Bc (d + d_v) floats), used by all Br rows
+    stage(k_s, k, b, j0, bc, d, F1, t, THREADS)
+    stage(v_s, v, b, j0, bc, d_v, F1, t, THREADS)
+    cuda.syncthreads()  # K_j, V_j loaded before any thread reads them
+    tx_n = bc // cn
+    ty, tx = t // tx_n, t % tx_n
+    # S_ij = Q_i K_j^T: an rm x cn piece per thread, in registers
+    score_piece(s, qa, q_s, k_s, ty * rm, tx * cn, rm, cn, d)
+    if not full:
+        for a in range(rm):
+            for c in range(cn):
+                if not allowed(b, i0 + ty * rm + a, j0 + tx * cn + c, nq,
+                               nk, rules, kv_len, mask):
+                    s[a, c] = NEG_INF
+    return True
+
+
+@cuda.jit(device=True)
+def store_row(o, lse, b, i, acc, m, l, d_v):
+    """O_i = u / l and lse_i = m + log l; 0 and -inf for an empty row.
+
+    Only l == 0 means "no key": a NaN l stays NaN (flashlab.nonfinite).
+    """
+    if l != F0:
+        for x in range(d_v):
+            o[b, i, x] = acc[x] / l
+        lse[b, i] = m + math.log(l)
+    else:
+        for x in range(d_v):
+            o[b, i, x] = F0
+        lse[b, i] = NEG_INF
+
+
+@cuda.jit
+def row_dot(do, o, delta):
+    """D_i = rowsum(dO_i * O_i), one thread per row."""
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < o.shape[1]:
+        acc = F0
+        for x in range(o.shape[2]):
+            acc += do[b, i, x] * o[b, i, x]
+        delta[b, i] = acc
+
+
+@cuda.jit
+def find_bad_columns(v, bad):
+    """bad[b, x]: column x of V[b] holds NaN or inf; one thread per (b, x)."""
+    b = cuda.blockIdx.y
+    x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if x < v.shape[2]:
+        bad_columns(v, bad, b, x)
+
+
+@cuda.jit
+def finish_rows(o, lse, bad, empty):
+    """The rule of flashlab.nonfinite on every output row."""
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < o.shape[1]:
+        finish_row(o, lse, bad, empty, b, i, NAN, NEG_INF)

@@ -1,0 +1,81 @@
+"""What non-finite input does to the output: one rule, every backend.
+
+Rows that the masks leave with no key to attend output 0 with lse -inf;
+they are the only rows that do, and `masks.Rules.empty_rows` finds them.
+Everything else that is not finite comes out as NaN:
+
+- NaN or +-inf in q or k reaches the scores. A row with a NaN score, or
+  a score that overflows to +inf, is NaN through the merge itself
+  (`merge.Summary` reads a NaN denominator as NaN, not as "no key"). A
+  row whose allowed scores are all -inf (q_i holding -inf, say) has a
+  zero denominator like an empty row, but is not one: `finish` makes it
+  NaN, as the reference's 0 / 0 does.
+- NaN or +-inf anywhere in column x of V makes column x of every
+  non-empty row NaN, masked key or not, as in the product P V of the
+  materialized reference (0 * NaN is NaN). Which tiles a backend visits
+  therefore never decides which rows turn NaN.
+
+`finish` applies the rule to a computed (o, lse) in place; numpy arrays
+and torch tensors alike. `bad_columns` and `finish_row` are its kernel
+form, compiled by flashlab.gpu. See chapter 7.
+"""
+
+import math
+
+import numpy as np
+
+
+def finish(o, lse, v, empty):
+    """Apply the rule in place to o (..., Nq, dv) and lse (..., Nq).
+
+    v (..., Nk, dv) is the input; empty (..., Nq) bool marks the rows the
+    masks leave without keys.
+    """
+    xp = np if isinstance(o, np.ndarray) else _torch()
+    if xp is not np:
+        empty = xp.as_tensor(np.ascontiguousarray(empty), device=o.device)
+    full = ~empty
+    unreached = xp.isneginf(lse) & full  # (..., Nq): 0 / 0 rows
+    bad = ~xp.isfinite(v).all(-2)  # (..., dv)
+    nan_o = unreached[..., None] | (bad[..., None, :] & full[..., None])
+    if xp is np:
+        o[...] = np.where(nan_o, np.nan, np.where(empty[..., None], 0, o))
+        lse[...] = np.where(unreached, np.nan,
+                            np.where(empty, -np.inf, lse))
+    else:  # the kernels already leave empty rows at 0 and -inf
+        o.masked_fill_(nan_o, math.nan)
+        lse.masked_fill_(unreached, math.nan)
+    return o, lse
+
+
+def bad_columns(v, bad, b, x):
+    """Kernel form: bad[b, x] = column x of V[b] holds a non-finite value."""
+    found = False
+    for j in range(v.shape[1]):
+        if not math.isfinite(v[b, j, x]):
+            found = True
+    bad[b, x] = found
+
+
+def finish_row(o, lse, bad, empty, b, i, nan, neg_inf):
+    """Kernel form of `finish` for row i of batch element b.
+
+    empty may be (1, 1) standing for "no row is empty"; nan and neg_inf
+    come in the kernel's float dtype so no float64 constant appears.
+    """
+    if empty[min(b, empty.shape[0] - 1), min(i, empty.shape[1] - 1)]:
+        return
+    if lse[b, i] == neg_inf:  # allowed scores all -inf: 0 / 0
+        lse[b, i] = nan
+        for x in range(o.shape[2]):
+            o[b, i, x] = nan
+        return
+    for x in range(o.shape[2]):
+        if bad[b, x]:
+            o[b, i, x] = nan
+
+
+def _torch():
+    import torch
+
+    return torch
