@@ -73,8 +73,11 @@ def check_scale(scale, d):
 
 def check_block(name, value, default):
     """Return a block size as an int >= 1 (None: default), or raise."""
-    if value is None:
-        return default
+    return default if value is None else check_count(name, value)
+
+
+def check_count(name, value):
+    """Return a size as an int >= 1, or raise naming `name`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an integer >= 1, got {value!r}")
     if value < 1:

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flashlab import dense, tiled
+from flashlab._validate import check_count
 
 SCHEDULES = ("dense", "fa1", "fa2")
 TENSORS = ("Q", "K", "V", "S", "P", "O", "m", "l", "lse")
@@ -119,6 +120,9 @@ def _check(o, q, k, v, causal):
 def predicted(schedule, n, d, dv=None, *, block_q, block_k, save_lse=False):
     """Closed-form `Ledger` of full (unmasked) attention; see chapter 6."""
     dv = d if dv is None else dv
+    for name, size in (("n", n), ("d", d), ("dv", dv), ("block_q", block_q),
+                       ("block_k", block_k)):
+        check_count(name, size)
     tr = math.ceil(n / block_q)  # query blocks
     tc = math.ceil(n / block_k)  # key/value blocks
     book = _empty_ledger()
@@ -151,6 +155,8 @@ def fa1_blocks(sram, d):
     Bc = ceil(M / 4d) leaves room for K_j, V_j, Q_i and O_i on chip; the
     paper also caps Br at d.
     """
+    check_count("d", d)
+    check_count("sram", sram)
     if sram < 4 * d:
         raise ValueError(f"sram: expected at least 4 d = {4 * d}, got {sram}")
     bc = math.ceil(sram / (4 * d))

@@ -75,6 +75,7 @@ def summarize(scores, values, weights=None):
 
 def merge(a, b):
     """Summary of the union of the keys behind summaries a and b."""
+    _check_same_rows(a, b)
     m = np.maximum(a.m, b.m)
     alpha = rescale(a.m, m)  # (...,) moves a onto the new maximum
     beta = rescale(b.m, m)
@@ -83,6 +84,16 @@ def merge(a, b):
         l=alpha * a.l + beta * b.l,
         u=alpha[..., None] * a.u + beta[..., None] * b.u,
     )
+
+
+def _check_same_rows(a, b):
+    """Summaries merge row by row: their shapes must agree exactly."""
+    for name in Summary._fields:
+        sa, sb = np.shape(getattr(a, name)), np.shape(getattr(b, name))
+        if sa != sb:
+            raise ValueError(
+                f"b: expected {name} of shape {sa} to match a, got {sb} "
+                f"(summaries of different rows do not merge)")
 
 
 def probabilities(scores, lse):

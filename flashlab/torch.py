@@ -4,19 +4,21 @@ CPU tensors run the tiled numpy path, CUDA tensors the numba.cuda kernels
 of flashlab.gpu (float32), in place through __cuda_array_interface__. The
 forward saves q, k, v, o and the row log-sum-exp only; the backward
 recomputes score tiles from them, so no (Nq, Nk) tensor lives between the
-two passes. See chapters 8 and 9.
+two passes. The backward is itself not differentiable: asking for a second
+derivative raises instead of returning a wrong one. See chapters 8 and 9.
 """
 
 import numpy as np
 import torch
 
 from flashlab import tiled
+from flashlab._validate import check_flag
 
 _DTYPES = (torch.float32, torch.float64)
 
 
 class Attention(torch.autograd.Function):
-    """Autograd wrapper around tiled.attention / attention_backward."""
+    """Autograd wrapper around the forward and backward of a backend."""
 
     @staticmethod
     def forward(ctx, q, k, v, options):
@@ -30,10 +32,17 @@ class Attention(torch.autograd.Function):
             o, lse = torch.from_numpy(o), torch.from_numpy(lse)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = options
-        return o
+        ctx.mark_non_differentiable(lse)
+        return o, lse
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, _dlse):
+        if torch.is_grad_enabled():  # create_graph=True: a 2nd derivative
+            raise RuntimeError(
+                "flashlab.torch.attention is differentiable once: its "
+                "backward has no derivative of its own, so create_graph="
+                "True (double backward, gradient penalties) is refused "
+                "rather than answered without the second-order term")
         q, k, v, o, lse = ctx.saved_tensors
         if q.is_cuda:
             from flashlab import gpu
@@ -46,15 +55,18 @@ class Attention(torch.autograd.Function):
         return (*(torch.from_numpy(g) for g in grads), None)
 
 
-def attention(q, k, v, *, causal=False, mask=None, scale=None,
-              dropout_p=0.0, seed=None, window=None, kv_lengths=None,
-              block_q=64, block_k=64):
+def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
+              causal=False, mask=None, window=None, kv_lengths=None,
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
     """Differentiable attention: q (..., Nq, d), k, v -> o (..., Nq, dv).
 
-    Same semantics as tiled.attention; mask is a bool tensor or array,
-    True = may attend. With dropout_p > 0 and no seed, a seed is drawn from
-    torch's generator, so torch.manual_seed makes runs repeatable.
+    Keywords and semantics as tiled.attention; mask is a bool tensor or
+    array, True = may attend. With return_lse, also the row log-sum-exp
+    (..., Nq), which carries no gradient. With dropout_p > 0 and no seed,
+    a seed is drawn from torch's generator, so torch.manual_seed makes
+    runs repeatable.
     """
+    return_lse = check_flag("return_lse", return_lse)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got "
@@ -62,6 +74,9 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         if x.dtype not in _DTYPES:
             raise TypeError(f"{name}: expected float32 or float64, got "
                             f"{x.dtype}")
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: expected a CPU or CUDA tensor, got "
+                             f"one on {x.device} (no data to compute on)")
         if x.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} like q, "
                              f"got {x.device}")
@@ -71,12 +86,12 @@ def attention(q, k, v, *, causal=False, mask=None, scale=None,
         kv_lengths = kv_lengths.detach().cpu().numpy()
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    options = dict(causal=causal, mask=mask, scale=scale,
-                   dropout_p=dropout_p, seed=seed, window=window,
-                   kv_lengths=kv_lengths)
-    if not q.is_cuda:  # the GPU kernels fix their own tiles
-        options.update(block_q=block_q, block_k=block_k)
-    return Attention.apply(q, k, v, options)
+    options = dict(block_q=block_q, block_k=block_k, scale=scale,
+                   causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
+                   order=order)
+    o, lse = Attention.apply(q, k, v, options)
+    return (o, lse) if return_lse else o
 
 
 def _numpy(*tensors):

@@ -93,17 +93,17 @@ def test_dropout_seed_from_torch_generator(rng):
     b = fl_torch.attention(q, k, v, dropout_p=0.3)
     c = fl_torch.attention(q, k, v, dropout_p=0.3)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    g = torch.autograd.gradcheck(
+    # gradcheck raises on a mismatch: the call is the check
+    torch.autograd.gradcheck(
         lambda x, y, z: fl_torch.attention(x, y, z, dropout_p=0.3, seed=5),
         (q, k, v))
-    assert g
 
 
 def test_gradcheck_masked():
     rng = np.random.default_rng(3)
     q, k, v = tensors(rng, (2, 5, 3), (2, 7, 3), 2, torch.float64)
     mask = torch.from_numpy(rng.random((2, 5, 7)) < 0.7)
-    assert torch.autograd.gradcheck(
+    torch.autograd.gradcheck(  # raises on a mismatch
         lambda x, y, z: fl_torch.attention(x, y, z, mask=mask, block_q=2,
                                            block_k=3), (q, k, v))
 

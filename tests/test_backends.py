@@ -1,0 +1,78 @@
+"""One property: every backend gives the reference's answer on the same
+random call (shapes, masks, windows, padding, dropout, block sizes).
+
+float64 backends must agree with the float64 reference to 1e-12; the
+float32 GPU kernels (on the simulator here) within twice the error of
+naive float32 attention, plus rounding per merged key block
+(helpers.float32_budget).
+"""
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashlab import cpu, gpu, reference, tiled
+from flashlab import torch as fl_torch
+from helpers import float32_budget, max_abs_err
+
+sides = st.one_of(st.none(), st.integers(0, 12))
+
+
+@st.composite
+def calls(draw):
+    """A random attention call: arrays and keyword arguments."""
+    batch = draw(st.sampled_from([(1,), (2,), (2, 2)]))
+    nq, nk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    d_v = draw(st.sampled_from([16, 32]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k = (rng.standard_normal((*batch, n, 16)) for n in (nq, nk))
+    v = rng.standard_normal((*batch, nk, d_v))
+    opts = dict(causal=draw(st.sampled_from([False, True, "bottom_right"])))
+    if draw(st.booleans()):
+        opts["window"] = (draw(sides), draw(sides))
+    if draw(st.booleans()):
+        opts["kv_lengths"] = rng.integers(0, nk + 1, size=batch)
+    if draw(st.booleans()):
+        opts["mask"] = rng.random((*batch, nq, nk)) < draw(
+            st.sampled_from([0.3, 0.8]))
+    if draw(st.booleans()):
+        opts.update(dropout_p=draw(st.sampled_from([0.1, 0.5])),
+                    seed=draw(st.integers(0, 2**63)))
+    blocks = dict(block_q=draw(st.integers(1, 48)),
+                  block_k=draw(st.integers(1, 48)))
+    return q, k, v, opts, blocks
+
+
+def float64_backends(q, k, v, opts, blocks):
+    """(name, o, lse) of every float64 backend."""
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    to, tlse = fl_torch.attention(tq, tk, tv, return_lse=True, **opts,
+                                  **blocks)
+    return [
+        ("tiled fa2", *tiled.attention(q, k, v, return_lse=True, **opts,
+                                       **blocks)),
+        ("tiled fa1", *tiled.attention(q, k, v, return_lse=True,
+                                       order="fa1", **opts, **blocks)),
+        ("cpu", *cpu.attention(q, k, v, return_lse=True, **opts, **blocks)),
+        ("torch", to.numpy(), tlse.numpy()),
+    ]
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(call=calls())
+def test_every_backend_agrees_with_the_reference(call):
+    q, k, v, opts, blocks = call
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
+    for name, o, lse in float64_backends(q, k, v, opts, blocks):
+        assert max_abs_err(o, o_ref) < 1e-12, name
+        assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), name
+        finite = np.isfinite(lse_ref)
+        assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-12, name
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    o = gpu.attention(q32, k32, v32, **opts)
+    err_naive = max_abs_err(reference.naive(q32, k32, v32, **opts), o_ref)
+    _, tile = gpu.tile_shape(4, 16, v.shape[-1])
+    merges = -(-k.shape[-2] // tile)
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
