@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from flashlab import costs
+
 FIELDS = ("device", "impl", "pass", "causal", "B", "H", "N", "d", "ms",
           "tflops", "vs_torch")
 
@@ -65,8 +67,7 @@ def _cpu_time(fn, reps):
 
 
 def _flops(b, h, n, d, causal, backward=False):
-    f = (10 if backward else 4) * b * h * n * n * d
-    return f / 2 if causal else f
+    return b * h * costs.flops(n, n, d, causal=causal, backward=backward)
 
 
 def gpu_rows(sizes, reps, versions):
@@ -229,11 +230,9 @@ def table(rows):
     return "\n".join(lines)
 
 
-def plot(rows, path):
-    """TFLOP/s against N for each forward implementation on the GPU."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+def plot(rows):
+    """Figure: forward TFLOP/s against N per GPU implementation (torch
+    dashed), full and causal side by side. Chapter 9 draws it too."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
@@ -242,15 +241,16 @@ def plot(rows, path):
                and r["pass"] == "forward" and r["causal"] == causal]
         for impl in dict.fromkeys(r["impl"] for r in sel):
             pts = [(r["N"], r["tflops"]) for r in sel if r["impl"] == impl]
-            ax.plot(*zip(*pts), "o-", label=impl)
+            style = "o--" if impl.startswith("torch") else "o-"
+            ax.plot(*zip(*pts), style, label=impl)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N")
-        ax.set_title("causal" if causal else "full")
+        ax.set_title("causal" if causal else "full attention")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("forward TFLOP/s (float32)")
+    axes[0].set_ylabel("forward TFLOP/s, float32")
     axes[1].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def machine():
@@ -310,7 +310,10 @@ def main(argv=None):
         writer.writeheader()
         writer.writerows(rows)
     if any(r["device"] == "gpu" for r in rows):
-        plot(rows, os.path.join(args.out, "bench.png"))
+        import matplotlib
+
+        matplotlib.use("Agg")  # a file, not a window
+        plot(rows).savefig(os.path.join(args.out, "bench.png"), dpi=120)
     print(table(rows))
     if memory:
         print(f"memory: forward at N={memory['n']}, B*H={memory['bh']}, "

@@ -10,10 +10,17 @@ def matrix_bytes(nq, nk, itemsize):
     return nq * nk * itemsize
 
 
-def flops(nq, nk, d, dv=None):
-    """Multiply-adds x 2 of S = Q K^T and O = P V: 2 Nq Nk (d + dv)."""
+def flops(nq, nk, d, dv=None, *, causal=False, backward=False):
+    """FLOPs of one head's tile products, as benchmarks count them.
+
+    Forward: S = Q K^T and O = P V, 2 Nq Nk (d + dv). Backward: S again,
+    dP = dO V^T, dV = P^T dO, dQ = dS K and dK = dS^T Q, 2 Nq Nk (3d + 2dv)
+    (2.5 times the forward when d = dv). Causal halves either, the
+    convention of the FlashAttention papers.
+    """
     dv = d if dv is None else dv
-    return 2 * nq * nk * (d + dv)
+    total = 2 * nq * nk * ((3 * d + 2 * dv) if backward else (d + dv))
+    return total / 2 if causal else total
 
 
 def input_output_transfers(n, d, dv=None, *, block_q):

@@ -1,6 +1,7 @@
 """What the GPU kernels compile to, read on a machine without a GPU.
 
-    python -m flashlab.ptx        # JSON: float64 ops and shared memory
+    python -m flashlab.ptx              # JSON: float64 ops, shared memory
+    python -m flashlab.ptx --resources  # on a GPU: registers, local memory
 
 `report` compiles every flashlab.gpu kernel to PTX for compute capability
 9.0 and counts float64 instructions, static shared memory and fast exps.
@@ -95,6 +96,30 @@ def literal_demo():
     return counts
 
 
+def resources(head_dims=HEAD_DIMS):
+    """{"kernel d dv": {"regs", "local", "shared"}} per thread / per block,
+    from the kernels as compiled for the GPU present (needs a GPU).
+
+    Local memory is where registers spill: a hot kernel should have none.
+    """
+    from flashlab import gpu
+    from flashlab.gpu import build
+
+    out = {}
+    for name in gpu.kernel_names():
+        for d, dv in head_dims:
+            if not gpu.supports(name, d, dv):
+                continue
+            kernel = build.kernel(name, d, dv)
+            sig = build.signature(name)
+            kernel.compile(sig)
+            out[f"{name} {d} {dv}"] = {
+                "regs": kernel.get_regs_per_thread(sig),
+                "local": kernel.get_local_mem_per_thread(sig),
+                "shared": kernel.get_shared_mem_per_block(sig)}
+    return out
+
+
 def run_report(timeout=900):
     """`report()` computed in a fresh process without the simulator."""
     env = {k: v for k, v in os.environ.items()
@@ -108,4 +133,5 @@ def run_report(timeout=900):
 
 
 if __name__ == "__main__":
-    print(json.dumps(report()))
+    print(json.dumps(resources() if "--resources" in sys.argv
+                     else report()))

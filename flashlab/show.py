@@ -1,10 +1,11 @@
-"""Notebook helpers: show package source, glue numbers into the prose."""
+"""Notebook helpers: show package source and diffs, glue numbers."""
 
+import difflib
 import inspect
 
 
 def source(obj):
-    """Display the source of a flashlab function or class as a code block.
+    """Display the source of a flashlab function, class or module.
 
     Numba dispatchers are shown through their Python function (.py_func),
     so the book always shows the code that runs.
@@ -14,6 +15,22 @@ def source(obj):
     target = getattr(obj, "py_func", obj)
     code = inspect.getsource(target).rstrip()
     display(Markdown(f"```python\n{code}\n```"))
+
+
+def diff_text(old, new, context=3):
+    """Unified diff of the sources of two objects (e.g. kernel versions)."""
+    a, b = (inspect.getsource(getattr(x, "py_func", x)).splitlines()
+            for x in (old, new))
+    return "\n".join(difflib.unified_diff(
+        a, b, fromfile=old.__name__, tofile=new.__name__, n=context,
+        lineterm=""))
+
+
+def diff(old, new, context=3):
+    """Display what changes from `old` to `new` as a diff code block."""
+    from IPython.display import Markdown, display
+
+    display(Markdown(f"```diff\n{diff_text(old, new, context)}\n```"))
 
 
 def glue(name, value, display=False):

@@ -94,6 +94,19 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     return (o, lse) if return_lse else o
 
 
+def saved_shapes(fn, *args):
+    """Shapes of every tensor autograd saves for the backward of fn(*args)."""
+    shapes = []
+
+    def keep(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        fn(*args)
+    return shapes
+
+
 def _numpy(*tensors):
     """Detached CPU numpy views of tensors (no copies for CPU tensors)."""
     return [np.asarray(t.detach().cpu().numpy()) for t in tensors]

@@ -14,3 +14,14 @@ def test_seed_001_transfer_totals():
 
 def test_flops_count_both_matmuls():
     assert costs.flops(3, 5, 4, 2) == 2 * 3 * 5 * 4 + 2 * 3 * 5 * 2
+
+
+def test_backward_flops_count_the_five_products():
+    nq, nk, d, dv = 3, 5, 4, 2
+    products = (nq * nk * d  # S = Q K^T, recomputed
+                + nq * nk * dv  # dP = dO V^T
+                + nk * nq * dv  # dV = P^T dO
+                + nq * nk * d  # dQ = dS K
+                + nk * nq * d)  # dK = dS^T Q
+    assert costs.flops(nq, nk, d, dv, backward=True) == 2 * products
+    assert costs.flops(8, 8, 4, backward=True, causal=True) == 5 * 8 * 8 * 4
