@@ -1,7 +1,9 @@
 """Stored measurements that the chapters read, shipped inside the package.
 
 The benchmark tables and ceilings in `flashlab/data/` were measured with
-`python -m flashlab.bench` on the machine their first line names. They
+`python -m flashlab.bench`, the registers and local memory per kernel with
+`python -m flashlab.ptx --resources`, on the machine their first line
+names. They
 are read through importlib.resources, so a chapter finds them wherever
 flashlab is installed, whatever its working directory. See chapter 9.
 """
@@ -11,7 +13,7 @@ import io
 from importlib import resources
 
 FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
-         "bench_h200.txt", "ceilings_h200.txt")
+         "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt")
 
 
 def text(name):

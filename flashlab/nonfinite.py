@@ -48,13 +48,11 @@ def finish(o, lse, v, empty):
     return o, lse
 
 
-def bad_columns(v, bad, b, x):
-    """Kernel form: bad[b, x] = column x of V[b] holds a non-finite value."""
-    found = False
-    for j in range(v.shape[1]):
-        if not math.isfinite(v[b, j, x]):
-            found = True
-    bad[b, x] = found
+def mark_bad(v, bad, b, j, x):
+    """Kernel form, one element: flag column x of V[b] if v[b, j, x] is
+    not finite (bad starts all False; every writer writes True)."""
+    if not math.isfinite(v[b, j, x]):
+        bad[b, x] = True
 
 
 def finish_row(o, lse, bad, empty, b, i, nan, neg_inf):

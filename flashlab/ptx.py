@@ -110,13 +110,12 @@ def resources(head_dims=HEAD_DIMS):
         for d, dv in head_dims:
             if not gpu.supports(name, d, dv):
                 continue
-            kernel = build.kernel(name, d, dv)
-            sig = build.signature(name)
-            kernel.compile(sig)
+            compiled = build.kernel(name, d, dv).compile(
+                build.signature(name))
             out[f"{name} {d} {dv}"] = {
-                "regs": kernel.get_regs_per_thread(sig),
-                "local": kernel.get_local_mem_per_thread(sig),
-                "shared": kernel.get_shared_mem_per_block(sig)}
+                "regs": compiled.regs_per_thread,
+                "local": compiled.local_mem_per_thread,
+                "shared": compiled.shared_mem_per_block}
     return out
 
 

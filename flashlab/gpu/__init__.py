@@ -49,13 +49,14 @@ def tile_shape(version, d, d_v):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              version=4):
+              version=3):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
     place), numba device arrays, or numpy arrays (copied over and back);
     the result is of the same kind. Each version fixes its tile sizes
-    (`tile_shape`): block_q and block_k may only restate them.
+    (`tile_shape`): block_q and block_k may only restate them. The
+    default, v3, was the fastest on the H200 (flashlab/data/bench_h200).
     """
     version = _check_version(version)
     tiled.check_order(order, ORDERS)
@@ -218,15 +219,27 @@ class _Call:
             dev = cuda.device_array(shape, dtype=np.float32)
         return dev, dev
 
+    def zeros_bool(self, shape):
+        """A device array of False (small: one flag per column)."""
+        from numba import cuda
+
+        if self.torch:
+            import torch
+
+            return cuda.as_cuda_array(torch.zeros(
+                shape, dtype=torch.bool, device=self.device), sync=False)
+        return cuda.to_device(np.zeros(shape, dtype=np.bool_),
+                              stream=self.stream)
+
     def finish(self, o_k, lse_k, v_k):
         """Apply flashlab.nonfinite's rule to the forward's output."""
         from numba import cuda
 
-        d_v = v_k.shape[2]
-        bad = cuda.device_array((self.bh, d_v), dtype=np.bool_,
-                                stream=self.stream)
-        device.find_bad_columns[(math.ceil(d_v / 32), self.bh), 32,
-                                self.stream](v_k, bad)
+        nk, d_v = v_k.shape[1:]
+        bad = self.zeros_bool((self.bh, d_v))
+        device.find_bad_columns[
+            (math.ceil(nk * d_v / device.THREADS), self.bh), device.THREADS,
+            self.stream](v_k, bad)
         empty = self.empty_rows.reshape(self.bh, self.nq)
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty

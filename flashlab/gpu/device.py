@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import cuda, uint64
+from numba import config, cuda, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
 
@@ -25,10 +25,18 @@ row_step = cuda.jit(device=True)(merge.row_step)
 row_probability = cuda.jit(device=True)(merge.row_probability)
 tile_skipped = cuda.jit(device=True)(masks.tile_skipped)
 tile_full = cuda.jit(device=True)(masks.tile_full)
-bad_columns = cuda.jit(device=True)(nonfinite.bad_columns)
+mark_bad = cuda.jit(device=True)(nonfinite.mark_bad)
 finish_row = cuda.jit(device=True)(nonfinite.finish_row)
 _pair_allowed = cuda.jit(device=True)(masks.pair_allowed)
 _keep_bits = cuda.jit(device=True)(dropout.keep_bits)
+
+
+def jit(max_registers):
+    """cuda.jit capped at max_registers per thread (the simulator has no
+    registers, and no such option, so it gets plain cuda.jit)."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit
+    return cuda.jit(max_registers=max_registers)
 
 
 class Tiles(NamedTuple):
@@ -198,11 +206,16 @@ def row_dot(do, o, delta):
 
 @cuda.jit
 def find_bad_columns(v, bad):
-    """bad[b, x]: column x of V[b] holds NaN or inf; one thread per (b, x)."""
+    """bad[b, x] |= V[b, j, x] is NaN or inf; one thread per element.
+
+    One coalesced pass over V at copy bandwidth; threads that find a bad
+    value all store the same True, so no atomics are needed.
+    """
     b = cuda.blockIdx.y
-    x = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if x < v.shape[2]:
-        bad_columns(v, bad, b, x)
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    d_v = v.shape[2]
+    if e < v.shape[1] * d_v:
+        mark_bad(v, bad, b, e // d_v, e % d_v)
 
 
 @cuda.jit
