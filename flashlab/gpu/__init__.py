@@ -31,10 +31,11 @@ from flashlab.gpu import (
 from flashlab.gpu.build import compile_ptx, kernel, kernel_names, supports
 
 __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
-           "supports", "tile_shape", "VERSIONS"]
+           "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS"]
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4}
 VERSIONS = tuple(FORWARDS)
+DEFAULT_VERSION = 3  # the fastest on the H200 (flashlab/data/bench_h200)
 ORDERS = ("fa2",)  # the loop order the forward kernels run
 # Tests set this to fill every output with NaN before a kernel runs, so an
 # element a kernel fails to write cannot pass for a right answer.
@@ -49,14 +50,13 @@ def tile_shape(version, d, d_v):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              version=3):
+              version=DEFAULT_VERSION):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
     place), numba device arrays, or numpy arrays (copied over and back);
     the result is of the same kind. Each version fixes its tile sizes
-    (`tile_shape`): block_q and block_k may only restate them. The
-    default, v3, was the fastest on the H200 (flashlab/data/bench_h200).
+    (`tile_shape`): block_q and block_k may only restate them.
     """
     version = _check_version(version)
     tiled.check_order(order, ORDERS)

@@ -15,11 +15,13 @@ from flashlab.gpu.device import (
     NEG_INF,
     THREADS,
     allowed,
-    dropout_weight,
+    fill,
     output_piece,
-    row_probability,
+    pair_grads,
+    place,
     score_piece,
     stage,
+    stage_stats,
     tile_skipped,
 )
 
@@ -67,10 +69,7 @@ def make_kv(D, D_V):
             cuda.syncthreads()  # the previous chunk is no longer read
             stage(q_s, q, b, i0, CH, D, rules.scale, t, NT)
             stage(do_s, do, b, i0, CH, D_V, F1, t, NT)
-            if t < CH:
-                inside = i0 + t < nq
-                lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
-                dl_s[t] = delta[b, i0 + t] if inside else F0
+            stage_stats(lse_s, dl_s, lse, delta, b, i0, CH, t)
             cuda.syncthreads()  # the chunk of Q, dO, lse, D is loaded
             for x in range(D):
                 pk[x] = F0
@@ -82,13 +81,11 @@ def make_kv(D, D_V):
                 s = F0
                 for x in range(D):
                     s += q_s[r, x] * k_s[t, x]
-                p = row_probability(s, lse_s[r], rules.lowest)
                 dp = F0
                 for x in range(D_V):
                     dp += do_s[r, x] * v_s[t, x]
-                z = dropout_weight(b, i0 + r, j, rules)
-                pz = p * z
-                ds = p * (dp * z - dl_s[r])
+                pz, ds = pair_grads(b, i0 + r, j, nq, nk, s, dp, lse_s[r],
+                                    dl_s[r], rules, kv_len, mask)
                 for x in range(D_V):
                     pvv[x] += pz * do_s[r, x]
                 for x in range(D):
@@ -147,14 +144,13 @@ def make_q(D, D_V):
                 s = F0
                 for x in range(D):
                     s += q_s[t, x] * k_s[c, x]
-                p = row_probability(s, lse_i, rules.lowest)
                 dp = F0
                 for x in range(D_V):
                     dp += do_s[t, x] * v_s[c, x]
-                z = dropout_weight(b, i, j0 + c, rules)
-                ds = p * (dp * z - d_i) * rules.scale
+                _, ds = pair_grads(b, i, j0 + c, nq, nk, s, dp, lse_i, d_i,
+                                   rules, kv_len, mask)
                 for x in range(D):
-                    pq[x] += ds * k_s[c, x]
+                    pq[x] += ds * rules.scale * k_s[c, x]
             for x in range(D):
                 dq_i[x] += pq[x]
         if i < nq:
@@ -201,19 +197,13 @@ def make_kv_blocked(D, D_V):
         pvv = cuda.local.array((RM, OV), float32)
         vk = cuda.local.array(OK_, float32)
         vv = cuda.local.array(OV, float32)
-        t = cuda.threadIdx.x
-        ty, tx = t // TX, t % TX
-        b = cuda.blockIdx.y
-        j0 = cuda.blockIdx.x * BK
         nq, nk = q.shape[1], k.shape[1]
-        j1 = min(j0 + BK, nk)
+        t, ty, tx, b, j0, j1 = place(BK, TX, nk)
         kv = kv_len[b]
         for a in range(RM):
             ones[a] = F1
-            for c in range(OK_):
-                acc_k[a, c] = F0
-            for c in range(OV):
-                acc_v[a, c] = F0
+        fill(acc_k, F0, RM, OK_)
+        fill(acc_v, F0, RM, OV)
         # HBM -> SRAM once: K_j, V_j, used against every query chunk
         stage(k_s, k, b, j0, BK, D, F1, t, THREADS)
         stage(v_s, v, b, j0, BK, D_V, F1, t, THREADS)
@@ -224,10 +214,7 @@ def make_kv_blocked(D, D_V):
             cuda.syncthreads()  # the previous chunk is no longer read
             stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
             stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
-            if t < BQ:
-                inside = i0 + t < nq
-                lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
-                dl_s[t] = delta[b, i0 + t] if inside else F0
+            stage_stats(lse_s, dl_s, lse, delta, b, i0, BQ, t)
             cuda.syncthreads()  # K_j, V_j and this chunk are in SRAM
             score_piece(s, qa, k_s, q_s, ty * RM, tx * CN, RM, CN, D)
             score_piece(dp, qa, v_s, do_s, ty * RM, tx * CN, RM, CN, D_V)
@@ -235,15 +222,9 @@ def make_kv_blocked(D, D_V):
                 r = ty * RM + a  # key row in the block
                 for c in range(CN):
                     col = tx * CN + c  # query in the chunk
-                    i, j = i0 + col, j0 + r
-                    if allowed(b, i, j, nq, nk, rules, kv_len, mask):
-                        p = row_probability(s[a, c], lse_s[col], rules.lowest)
-                        z = dropout_weight(b, i, j, rules)
-                        pt_s[r, col] = p * z
-                        dst_s[r, col] = p * (dp[a, c] * z - dl_s[col])
-                    else:
-                        pt_s[r, col] = F0
-                        dst_s[r, col] = F0
+                    pt_s[r, col], dst_s[r, col] = pair_grads(
+                        b, i0 + col, j0 + r, nq, nk, s[a, c], dp[a, c],
+                        lse_s[col], dl_s[col], rules, kv_len, mask)
             cuda.syncthreads()  # (P Z)^T and dS^T complete
             output_piece(acc_v, pvv, vv, ones, pt_s, do_s, ty * RM, tx, RM,
                           OV, BQ, TX)
@@ -290,23 +271,15 @@ def make_q_blocked(D, D_V):
         acc = cuda.local.array((RM, OQ), float32)
         pq = cuda.local.array((RM, OQ), float32)
         vq = cuda.local.array(OQ, float32)
-        t = cuda.threadIdx.x
-        ty, tx = t // TX, t % TX
-        b = cuda.blockIdx.y
-        i0 = cuda.blockIdx.x * BQ
         nq, nk = q.shape[1], k.shape[1]
-        i1 = min(i0 + BQ, nq)
+        t, ty, tx, b, i0, i1 = place(BQ, TX, nq)
         kv = kv_len[b]
         for a in range(RM):
             ones[a] = F1
-            for c in range(OQ):
-                acc[a, c] = F0
+        fill(acc, F0, RM, OQ)
         stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
         stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
-        if t < BQ:
-            inside = i0 + t < nq
-            lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
-            dl_s[t] = delta[b, i0 + t] if inside else F0
+        stage_stats(lse_s, dl_s, lse, delta, b, i0, BQ, t)
         for j0 in range(0, nk, BK):
             j1 = min(j0 + BK, nk)
             if tile_skipped(i0, i1, j0, j1, rules, kv):
@@ -321,14 +294,10 @@ def make_q_blocked(D, D_V):
                 r = ty * RM + a  # query row in the block
                 for c in range(CN):
                     col = tx * CN + c  # key in the chunk
-                    i, j = i0 + r, j0 + col
-                    if allowed(b, i, j, nq, nk, rules, kv_len, mask):
-                        p = row_probability(s[a, c], lse_s[r], rules.lowest)
-                        z = dropout_weight(b, i, j, rules)
-                        ds_s[r, col] = (p * (dp[a, c] * z - dl_s[r])
-                                        * rules.scale)
-                    else:
-                        ds_s[r, col] = F0
+                    _, ds = pair_grads(b, i0 + r, j0 + col, nq, nk, s[a, c],
+                                       dp[a, c], lse_s[r], dl_s[r], rules,
+                                       kv_len, mask)
+                    ds_s[r, col] = ds * rules.scale
             cuda.syncthreads()  # tau dS_ij complete
             output_piece(acc, pq, vq, ones, ds_s, k_s, ty * RM, tx, RM, OQ,
                           BK, TX)

@@ -89,6 +89,38 @@ def dropout_weight(b, i, j, rules):
 
 
 @cuda.jit(device=True)
+def place(rows, tx_n, n):
+    """(t, ty, tx, b, r0, r1): this thread, its row and column in a grid of
+    tx_n threads per row, its batch element, and the rows r0..r1 - 1 of n
+    that its block owns (blocks of `rows` along blockIdx.x)."""
+    t = cuda.threadIdx.x
+    r0 = cuda.blockIdx.x * rows
+    return t, t // tx_n, t % tx_n, cuda.blockIdx.y, r0, min(r0 + rows, n)
+
+
+@cuda.jit(device=True)
+def fill(a, value, rows, cols):
+    """a[:rows, :cols] = value for a register array (constant sizes)."""
+    for r in range(rows):
+        for c in range(cols):
+            a[r, c] = value
+
+
+@cuda.jit(device=True)
+def pair_grads(b, i, j, nq, nk, s, dp, lse_i, d_i, rules, kv_len, mask):
+    """(P_ij Z_ij, dS_ij) for one pair, recomputed; (0, 0) if masked.
+
+    P = exp(S - lse) from the saved row lse, Z the dropout weight, and
+    dS = P (dP Z - D_i) with D_i = rowsum(dO_i * O_i). See chapter 8.
+    """
+    if not allowed(b, i, j, nq, nk, rules, kv_len, mask):
+        return F0, F0
+    p = row_probability(s, lse_i, rules.lowest)
+    z = dropout_weight(b, i, j, rules)
+    return p * z, p * (dp * z - d_i)
+
+
+@cuda.jit(device=True)
 def stage(dst, src, b, r0, rows, cols, scale, t, nthreads):
     """HBM -> SRAM: rows r0.. of src[b], times scale, into dst[:rows].
 
@@ -100,6 +132,16 @@ def stage(dst, src, b, r0, rows, cols, scale, t, nthreads):
         r = e // cols
         x = e - r * cols
         dst[r, x] = src[b, r0 + r, x] * scale if r0 + r < n else F0
+
+
+@cuda.jit(device=True)
+def stage_stats(lse_s, dl_s, lse, delta, b, i0, rows, t):
+    """HBM -> SRAM: lse_i and D_i of rows i0..i0 + rows - 1 (threads t <
+    rows); -inf and 0 past the end, so masked-out rows contribute 0."""
+    if t < rows:
+        inside = i0 + t < lse.shape[1]
+        lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
+        dl_s[t] = delta[b, i0 + t] if inside else F0
 
 
 @cuda.jit(device=True)
