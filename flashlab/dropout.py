@@ -50,9 +50,9 @@ def uniform(seed, b, i, j):
 
 
 class Dropout(NamedTuple):
-    """Dropout of one call: probability p, seed, flat batch indices."""
+    """Dropout of one call: its rate, seed and flat batch indices."""
 
-    p: float
+    rate: float  # dropout_p, the probability of dropping an entry
     seed: int
     batch: np.ndarray  # (*batch, 1, 1) flat index of each batch element
 
@@ -60,11 +60,11 @@ class Dropout(NamedTuple):
         """Boolean (*batch, len(rows), len(cols)): which P entries survive."""
         i = np.arange(rows.start, rows.stop)[:, None]
         j = np.arange(cols.start, cols.stop)[None, :]
-        return uniform(self.seed, self.batch, i, j) >= self.p
+        return uniform(self.seed, self.batch, i, j) >= self.rate
 
     def weights(self, rows, cols, dtype):
         """Kept entries scaled by 1 / (1 - p), dropped ones 0."""
-        scale = dtype.type(1.0 / (1.0 - self.p))
+        scale = dtype.type(1.0 / (1.0 - self.rate))
         return np.where(self.keep(rows, cols), scale, dtype.type(0))
 
 

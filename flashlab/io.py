@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashlab import dense, tiled
+from flashlab import costs, dense, tiled
 from flashlab._validate import check_count
 
-SCHEDULES = ("dense", "fa1", "fa2")
+SCHEDULES = costs.SCHEDULES
 TENSORS = ("Q", "K", "V", "S", "P", "O", "m", "l", "lse")
 
 
@@ -69,7 +69,7 @@ def _empty_ledger():
     return Ledger({t: 0 for t in TENSORS}, {t: 0 for t in TENSORS})
 
 
-def ledger(schedule, n, d, dv=None, *, block_q, block_k, causal=False,
+def ledger(schedule, n, d, d_v=None, *, block_q, block_k, causal=False,
            save_lse=False, seed=0):
     """Measured traffic of one head, n queries and n keys, by running it.
 
@@ -82,10 +82,10 @@ def ledger(schedule, n, d, dv=None, *, block_q, block_k, causal=False,
         raise ValueError(
             f"schedule: expected one of {SCHEDULES}, got {schedule!r}"
         )
-    dv = d if dv is None else dv
+    d_v = d if d_v is None else d_v
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal(shape)
-               for shape in ((n, d), (n, d), (n, dv)))
+               for shape in ((n, d), (n, d), (n, d_v)))
     q, k, v, plan = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
                                causal=causal)
     book = _empty_ledger()
@@ -94,7 +94,7 @@ def ledger(schedule, n, d, dv=None, *, block_q, block_k, causal=False,
         return Counted(name, np.full(shape, fill), book)
 
     Q, K, V = (Counted(t, x, book) for t, x in zip("QKV", (q, k, v)))
-    O = hbm("O", (n, dv))
+    O = hbm("O", (n, d_v))
     if schedule == "dense":
         lse = hbm("lse", (n,)) if save_lse else None
         dense.forward(Q, K, V, hbm("S", (n, n)), hbm("P", (n, n)), O, lse,
@@ -117,35 +117,16 @@ def _check(o, q, k, v, causal):
         raise AssertionError(f"counted run gave wrong output: err {err}")
 
 
-def predicted(schedule, n, d, dv=None, *, block_q, block_k, save_lse=False):
-    """Closed-form `Ledger` of full (unmasked) attention; see chapter 6."""
-    dv = d if dv is None else dv
-    for name, size in (("n", n), ("d", d), ("dv", dv), ("block_q", block_q),
-                       ("block_k", block_k)):
-        check_count(name, size)
-    tr = math.ceil(n / block_q)  # query blocks
-    tc = math.ceil(n / block_k)  # key/value blocks
+def predicted(schedule, n, d, d_v=None, *, block_q, block_k, save_lse=False):
+    """Closed-form `Ledger` of full (unmasked) attention; see chapter 6.
+
+    The counts are `costs.transfers`, put in the form `ledger` measures.
+    """
+    reads, writes = costs.transfers(schedule, n, d, d_v, block_q=block_q,
+                                    block_k=block_k, save_lse=save_lse)
     book = _empty_ledger()
-    r, w = book.reads, book.writes
-    if schedule == "fa1":
-        r["Q"] = tc * n * d  # every K/V block revisits every query block
-        r["K"], r["V"] = n * d, n * dv  # each K/V block loaded once
-        r["O"], w["O"] = tc * n * dv, (tc + 1) * n * dv  # +1: zero-fill
-        for stat in ("m", "l"):
-            r[stat], w[stat] = tc * n, (tc + 1) * n
-        return book
-    r["Q"] = n * d  # each query block loaded once
-    r["K"], r["V"] = tr * n * d, tr * n * dv  # reread per query block
-    w["O"] = n * dv
-    if save_lse:
-        w["lse"] = n
-    if schedule == "dense":
-        for inter in ("S", "P"):
-            r[inter] = w[inter] = n * n
-    elif schedule != "fa2":
-        raise ValueError(
-            f"schedule: expected one of {SCHEDULES}, got {schedule!r}"
-        )
+    book.reads.update(reads)
+    book.writes.update(writes)
     return book
 
 

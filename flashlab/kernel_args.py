@@ -77,9 +77,9 @@ def flatten(q, k, v, options):
         right=right,
         use_mask=masks.mask is not None,
         seed=np.uint64(drop.seed if drop else 0),
-        threshold=dropout.threshold(drop.p if drop else 0.0),
+        threshold=dropout.threshold(drop.rate if drop else 0.0),
         use_dropout=drop is not None,
-        drop_scale=real(1.0 / (1.0 - drop.p) if drop else 1.0),
+        drop_scale=real(1.0 / (1.0 - drop.rate) if drop else 1.0),
         lowest=real(np.finfo(q.dtype).min),
     )
     args = KernelArgs(

@@ -26,14 +26,14 @@ import numpy as np
 
 
 class Summary(NamedTuple):
-    """Row summaries: m (...,), l (...,), u (..., dv). See chapter 4."""
+    """Row summaries: m (...,), l (...,), u (..., d_v). See chapter 4."""
 
     m: np.ndarray
     l: np.ndarray  # the paper's name for the denominator
     u: np.ndarray
 
     def output(self):
-        """Attention output u / l (..., dv); 0 for rows with no keys."""
+        """Attention output u / l (..., d_v); 0 for rows with no keys."""
         l = self.l[..., None]
         none = l == 0  # NaN is not "no keys": it must stay NaN
         return np.where(none, 0, self.u / np.where(none, 1, l)).astype(
@@ -47,17 +47,17 @@ class Summary(NamedTuple):
             self.l.dtype)
 
 
-def empty(rows_shape, dv, dtype):
+def empty(rows_shape, d_v, dtype):
     """Summary of no keys at all, for rows_shape rows: the merge identity."""
     return Summary(
         m=np.full(rows_shape, -np.inf, dtype=dtype),
         l=np.zeros(rows_shape, dtype=dtype),
-        u=np.zeros((*rows_shape, dv), dtype=dtype),
+        u=np.zeros((*rows_shape, d_v), dtype=dtype),
     )
 
 
 def summarize(scores, values, weights=None):
-    """Summary of one block: scores (..., C), values (..., C, dv).
+    """Summary of one block: scores (..., C), values (..., C, d_v).
 
     Masked keys carry score -inf and contribute nothing. weights (..., C),
     if given, multiply the terms of the numerator only: dropout removes a
@@ -115,12 +115,12 @@ def _finite(m):
 
 
 def _rows_times(p, values):
-    """sum_j p[..., j] * values[..., j, :] for p (..., C), values (..., C, dv).
+    """sum_j p[..., j] values[..., j, :]; p (..., C), values (..., C, d_v).
 
     p may carry more leading dims than values (several query rows against
     one block of values), so this is a matmul when it can be one.
     """
-    if p.ndim == values.ndim:  # p (..., R, C) @ values (..., C, dv)
+    if p.ndim == values.ndim:  # p (..., R, C) @ values (..., C, d_v)
         return p @ values
     return (p[..., None, :] @ values)[..., 0, :]
 

@@ -16,7 +16,7 @@ from flashlab import merge
 
 
 class Normalized(NamedTuple):
-    """FlashAttention-1 state: m (...,), l (...,), normalized o (..., dv)."""
+    """FlashAttention-1 state: m (...,), l (...,), normalized o (..., d_v)."""
 
     m: np.ndarray
     l: np.ndarray
@@ -24,7 +24,7 @@ class Normalized(NamedTuple):
 
 
 def _chunks(scores, values, chunk):
-    """Yield chunks of `chunk` keys: scores (..., C), values (..., C, dv)."""
+    """Yield chunks of `chunk` keys: scores (..., C), values (..., C, d_v)."""
     scores = np.asarray(scores)
     values = np.asarray(values)
     if scores.shape[-1] != values.shape[-2]:
@@ -39,7 +39,7 @@ def _chunks(scores, values, chunk):
 
 
 def stream(scores, values, chunk):
-    """Running summaries after each chunk. scores (..., N), values (N, dv)."""
+    """Running summaries after each chunk. scores (..., N), values (N, d_v)."""
     states = []
     state = None
     for s, v in _chunks(scores, values, chunk):

@@ -60,9 +60,9 @@ class Plan(NamedTuple):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
-    """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
+    """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v).
 
-    Returns o (..., Nq, dv), and lse (..., Nq) if return_lse. Rows with no
+    Returns o (..., Nq, d_v), and lse (..., Nq) if return_lse. Rows with no
     allowed key give 0 and lse = -inf; non-finite input gives NaN
     (`flashlab.nonfinite`). Masking rules: `flashlab.masks`; dropout (with
     an integer seed): `flashlab.dropout`. Block sizes default to BLOCK.
@@ -145,7 +145,7 @@ def score_tile(q_i, k_j, rows, cols, plan):
 
 
 def load_kv(k, v, cols):
-    """K_j (..., Bc, d) and V_j (..., Bc, dv): HBM -> chip. None skips one."""
+    """K_j (..., Bc, d), V_j (..., Bc, d_v): HBM -> chip. None skips one."""
     span = slice(cols.start, cols.stop)
     return (None if k is None else k[..., span, :],
             None if v is None else v[..., span, :])
@@ -169,10 +169,10 @@ def forward_fa2(q, k, v, o, lse, plan, on_tile=None):
 
     lse may be None when the statistics are not needed (inference).
     """
-    dv = v.shape[-1]
+    d_v = v.shape[-1]
     for rows in blocks(plan.nq, plan.block_q):
         q_i = load_q(q, rows, plan)  # HBM -> chip once per query block
-        state = merge.empty((*q_i.shape[:-2], len(rows)), dv, q.dtype)
+        state = merge.empty((*q_i.shape[:-2], len(rows)), d_v, q.dtype)
         for cols in blocks(plan.nk, plan.block_k):
             if plan.rules.skips(rows, cols):
                 continue  # no allowed pair: no loads, no arithmetic
@@ -225,8 +225,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        order="fa2"):
     """Gradients (dq, dk, dv) of attention, recomputing tiles. See chapter 8.
 
-    Needs only the forward's output o (..., Nq, dv) and row log-sum-exp lse
-    (..., Nq), plus the upstream gradient do (..., Nq, dv); takes the
+    Needs only the forward's output o (..., Nq, d_v) and row log-sum-exp
+    lse (..., Nq), plus the upstream gradient do (..., Nq, d_v); takes the
     keywords of `attention` (dropout with the same seed). Both forward
     orders have this one backward loop (K/V blocks outermost), so `order`
     only names the forward it follows.
@@ -249,7 +249,7 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
     """
     delta = (do * o).sum(axis=-1)  # D_i = rowsum(dO * O) (..., Nq)
     for cols in blocks(plan.nk, plan.block_k):
-        k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, dv)
+        k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, d_v)
         dk_j = np.zeros_like(k_j)
         dv_j = np.zeros_like(v_j)
         for rows in blocks(plan.nq, plan.block_q):

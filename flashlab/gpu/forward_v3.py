@@ -25,9 +25,9 @@ from flashlab.gpu.device import (
 )
 
 # 4 blocks of THREADS threads per SM need <= 128 registers per thread
-# (64K registers per SM); left alone, the compiler takes ~150 and one
-# block in four no longer fits. At 128 nothing spills (measured on the
-# H200: no local memory, ~5% faster at N = 16384).
+# (64K registers per SM); left alone, the compiler takes more and one
+# block in four no longer fits. Capped, nothing spills to local memory
+# (flashlab/data/resources_h200.txt) and v3 runs faster (bench_h200).
 MAX_REGISTERS = 128
 
 

@@ -33,10 +33,10 @@ def make(D, D_V):
     """The v4 kernel for head dims D, D_V (compile-time constants)."""
     BR, BC, RM, TX, CN, OC, DP, BCP = tiles(D, D_V)
 
-    # No register cap, unlike v3: at 128 registers v4 spills 80 bytes per
-    # thread to local memory, and a cap of 255 lets the compiler take ~217
-    # (2 blocks per SM); left alone it takes ~150 (3 blocks), the fastest
-    # of the three on the H200.
+    # No register cap, unlike v3: capped at 128, v4 spills to local memory;
+    # a cap of 255 lets the compiler take so many that only 2 blocks fit
+    # per SM. Left alone (resources_h200.txt) it was the fastest of the
+    # three on the H200. See chapter 9.
     @cuda.jit
     def forward_v4(q, k, v, o, lse, rules, kv_len, mask):
         q_s = cuda.shared.array((BR, DP), float32)
