@@ -5,6 +5,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.installed
+# MathJax served with the book, so math renders with no network.
+MATHJAX := _mathjax/mathjax/tex-chtml.js
 # Notebook kernels and tools must come from the venv, not the system.
 export PATH := $(BIN):$(PATH)
 
@@ -16,9 +18,17 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
-book: $(STAMP)
+$(MATHJAX):
+	npm install --no-save --no-audit --no-fund --prefix .mathjax \
+	    mathjax@3.2.2
+	rm -rf _mathjax
+	mkdir -p _mathjax
+	cp -r .mathjax/node_modules/mathjax/es5 _mathjax/mathjax
+
+book: $(STAMP) $(MATHJAX)
 	rm -rf _build
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
+	$(BIN)/python tests/check_book.py _build/html
 	@echo "Open $(CURDIR)/_build/html/intro.html"
 
 lint: $(STAMP)
