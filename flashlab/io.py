@@ -33,20 +33,28 @@ class Counted:
 
     def __getitem__(self, index):
         out = np.array(self.data[index])  # a copy: now it is on chip
-        self._ledger.reads[self.name] += out.size
+        self._ledger.count("read", self.name, out.size)
         return out
 
     def __setitem__(self, index, value):
         target = self.data[index]
-        self._ledger.writes[self.name] += target.size
+        self._ledger.count("write", self.name, target.size)
         self.data[index] = value
 
 
 class Ledger(NamedTuple):
-    """Elements read and written per tensor."""
+    """Elements read and written per tensor (and, if kept, in order)."""
 
     reads: dict
     writes: dict
+    events: list | None = None  # (direction, tensor, elements), in order
+
+    def count(self, direction, tensor, elements):
+        """Record one transfer: direction "read" or "write"."""
+        (self.reads if direction == "read" else self.writes)[tensor] += \
+            elements
+        if self.events is not None:
+            self.events.append((direction, tensor, elements))
 
     @property
     def total(self):
@@ -65,17 +73,19 @@ class Ledger(NamedTuple):
         return "\n".join(lines)
 
 
-def _empty_ledger():
-    return Ledger({t: 0 for t in TENSORS}, {t: 0 for t in TENSORS})
+def _empty_ledger(record=False):
+    return Ledger({t: 0 for t in TENSORS}, {t: 0 for t in TENSORS},
+                  [] if record else None)
 
 
 def ledger(schedule, n, d, d_v=None, *, block_q, block_k, causal=False,
-           save_lse=False, seed=0):
+           save_lse=False, seed=0, record=False):
     """Measured traffic of one head, n queries and n keys, by running it.
 
     schedule: "dense" (three kernels, S and P in HBM), "fa1" (K/V blocks
     outer, O, l, m in HBM) or "fa2" (query blocks outer). save_lse: also
     store the row log-sum-exp for a backward pass (fa1 always stores l, m).
+    record: also keep every transfer in order (`Ledger.events`).
     Returns the `Ledger` and checks the output against the reference.
     """
     if schedule not in SCHEDULES:
@@ -88,7 +98,7 @@ def ledger(schedule, n, d, d_v=None, *, block_q, block_k, causal=False,
                for shape in ((n, d), (n, d), (n, d_v)))
     q, k, v, plan = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
                                causal=causal)
-    book = _empty_ledger()
+    book = _empty_ledger(record)
 
     def hbm(name, shape, fill=np.nan):
         return Counted(name, np.full(shape, fill), book)
