@@ -10,7 +10,7 @@ MATHJAX := _mathjax/mathjax/tex-chtml.js
 # Notebook kernels and tools must come from the venv, not the system.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: book test lint unit notebooks execute dist clean
+.PHONY: book test lint unit notebooks browser execute dist clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,7 +41,14 @@ notebooks: $(STAMP)
 	$(BIN)/python -m pytest --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks
 
-test: lint unit notebooks book
+# Debian's Chromium for the browser test (Playwright never downloads one).
+/usr/bin/chromium:
+	apt-get update -q && apt-get install -y -q chromium
+
+browser: $(STAMP) /usr/bin/chromium
+	$(BIN)/python -m pytest -m browser tests/test_browser.py
+
+test: lint unit notebooks book browser
 
 # Re-run every chapter and store its outputs (after changing flashlab).
 execute: $(STAMP)

@@ -35,7 +35,27 @@ def animate(frames, draw, figsize=(8, 3.4)):
     anim = FuncAnimation(fig, update, frames=len(frames), interval=1200)
     html = anim.to_jshtml(default_mode="once")
     plt.close(fig)
-    return HTML(html)
+    return HTML(_offline(html))
+
+
+# matplotlib's player draws its buttons with Font Awesome from a CDN; the
+# book must work offline, so the buttons get Unicode symbols that common
+# fonts (DejaVu) carry: arrows to the ends, triangles to step and play.
+_ICONS = {"fa fa-minus": "\u2212", "fa fa-fast-backward": "\u21e4",
+          "fa fa-step-backward": "\u25c1", "fa fa-play fa-flip-horizontal":
+          "\u25c0", "fa fa-pause": "\u2016", "fa fa-play": "\u25b6",
+          "fa fa-step-forward": "\u25b7", "fa fa-fast-forward": "\u21e5",
+          "fa fa-plus": "+"}
+
+
+def _offline(html):
+    """The player's HTML without external stylesheets or icon fonts."""
+    import re
+
+    html = re.sub(r"<link[^>]*font-awesome[^>]*>", "", html)
+    for cls, symbol in _ICONS.items():
+        html = html.replace(f'<i class="{cls}"></i>', symbol)
+    return html
 
 
 def online_steps(scores, values, chunk):

@@ -46,3 +46,10 @@ def test_traffic_steps_reaches_the_ledger_totals():
     assert sum(e for _, _, e in book.events) == book.total
     assert np.array_equal(
         [d for d, _, _ in book.events[:1]], ["read"])
+
+
+def test_player_needs_no_network(rng):
+    html = viz.merge_steps(rng.standard_normal(3),
+                           rng.standard_normal((3, 1)), split=1).data
+    assert "http://" not in html and "https://" not in html
+    assert 'class="fa' not in html  # no icon font to fetch

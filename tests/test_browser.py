@@ -1,0 +1,126 @@
+"""The built book in a real browser: Debian's Chromium driven by Playwright.
+
+Run after `make book` (make test does): serves _build/html on loopback,
+visits every page and fails on console errors, failed requests, broken
+internal links, images that did not load and math left as raw TeX; clicks
+a step-through's Next and checks that the frame changes. A screenshot of
+each page is kept in _build/screenshots/.
+"""
+
+import functools
+import http.server
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlparse
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "_build" / "html"
+SHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+# Pages of the book (index.html only redirects to intro.html).
+PAGES = sorted(str(p.relative_to(SITE)) for p in SITE.rglob("*.html")
+               if p.name != "index.html" and "_static" not in p.parts
+               and "mathjax" not in p.parts)
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not (SITE / "index.html").is_file():
+        pytest.fail("no built book in _build/html: run `make book` first")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(SITE))
+    handler.log_message = lambda *args: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_port}/"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield chromium
+        chromium.close()
+
+
+def open_page(browser, url, problems):
+    """A page at url, with console errors and failed requests recorded."""
+    page = browser.new_page(viewport={"width": 1200, "height": 1400})
+    page.on("console", lambda m: problems.append(f"console: {m.text}")
+            if m.type == "error" else None)
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(
+        f"request failed: {r.url}"))
+    page.on("response", lambda r: problems.append(
+        f"HTTP {r.status}: {r.url}") if r.status >= 400 else None)
+    page.goto(url, wait_until="load")
+    # MathJax loads deferred: wait until it has started, then until it
+    # has typeset the page
+    page.wait_for_function("""() => !document.querySelector(".math")
+        || (window.MathJax && MathJax.startup && MathJax.startup.promise)""",
+                           timeout=20000)
+    page.evaluate("""() => window.MathJax && MathJax.startup
+        ? MathJax.startup.promise.then(() => true) : true""")
+    return page
+
+
+def test_there_are_pages():
+    assert "book/intro.html" in PAGES and len(PAGES) >= 12
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_renders_completely(server, browser, name):
+    problems = []
+    url = urljoin(server, name)
+    page = open_page(browser, url, problems)
+    broken = page.evaluate("""() => [...document.images]
+        .filter(i => !i.complete || i.naturalWidth === 0).map(i => i.src)""")
+    problems += [f"image not loaded: {src}" for src in broken]
+    for href in page.eval_on_selector_all(
+            "a[href]", "els => els.map(e => e.getAttribute('href'))"):
+        target = urlparse(urljoin(url, href))
+        if target.netloc != urlparse(server).netloc or not target.path:
+            continue  # external or javascript: links are not ours to test
+        path = SITE / unquote(target.path).lstrip("/")
+        if path.is_dir():
+            path = path / "index.html"
+        if not path.exists():
+            problems.append(f"broken link: {href}")
+    html = page.content()
+    text = page.evaluate("""() => {  // the prose: code may hold \\( itself
+        const body = document.body.cloneNode(true);
+        body.querySelectorAll("pre, code, script").forEach(e => e.remove());
+        return body.innerText; }""")
+    if "\\(" in text or "\\[" in text or "$$" in text:
+        problems.append("raw TeX visible: math was not typeset")
+    if "math notranslate" in html and "<mjx-container" not in html:
+        problems.append("page has math but MathJax typeset none of it")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / (name.replace("/", "_") + ".png")))
+    page.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_step_through_next_changes_the_frame(server, browser):
+    problems = []
+    url = urljoin(server, "notebooks/03_online_softmax.html")
+    page = open_page(browser, url, problems)
+    frame = page.locator("img[id^='_anim_img']").first
+    before = frame.get_attribute("src")
+    page.locator("button[title='Next frame']").first.click()
+    after = frame.get_attribute("src")
+    page.locator("button[title='Next frame']").first.click()
+    later = frame.get_attribute("src")
+    page.close()
+    assert before and after and before != after != later
+    assert not problems, "\n".join(problems)
