@@ -10,7 +10,7 @@ the end, a maximum not subtracted), the hint names that mistake.
 
 `solution(name)` is the worked answer the book shows; `MISTAKES` are the
 typical wrong answers, kept here so that the tests can check that each is
-caught with the right hint. See the exercises of chapters 2 to 5.
+caught with the right hint. Every chapter ends with two of them.
 """
 
 import math
@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from flashlab import masks, merge, reference
+from flashlab import costs, io, masks, merge, reference
 
 RTOL = 1e-9  # float64 throughout: any correct order of operations is closer
 
@@ -479,6 +479,260 @@ def _tiles_strict(nq, nk, block_q, block_k):
             if j0 + block_k - 1 <= i0}
 
 
+def materialized_attention(q, k, v):
+    """Chapter 1: S = tau Q K^T, P = softmax of each row, O = P V."""
+    s = q @ k.T / np.sqrt(q.shape[1])  # (Nq, Nk)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    return (p / p.sum(axis=1, keepdims=True)) @ v
+
+
+def _materialized_no_scale(q, k, v):
+    return materialized_attention(q * np.sqrt(q.shape[1]), k, v)
+
+
+def _materialized_columns(q, k, v):
+    s = q @ k.T / np.sqrt(q.shape[1])
+    p = np.exp(s - s.max(axis=0, keepdims=True))
+    return (p / p.sum(axis=0, keepdims=True)) @ v
+
+
+def intermediate_bytes(n, heads, batch, itemsize):
+    """Chapter 1: bytes of S and P (n x n each) for a layer's heads."""
+    return 2 * batch * heads * n * n * itemsize
+
+
+def _bytes_s_only(n, heads, batch, itemsize):
+    return batch * heads * n * n * itemsize
+
+
+def _bytes_no_heads(n, heads, batch, itemsize):
+    return 2 * batch * n * n * itemsize
+
+
+def fa2_transfers(n, d, block_q):
+    """Chapter 6: elements moved by the FA2 forward (d_v = d, one head)."""
+    query_blocks = -(-n // block_q)
+    return n * d + query_blocks * 2 * n * d + n * d  # Q; K, V per block; O
+
+
+def _fa2_no_reread(n, d, block_q):
+    return 4 * n * d
+
+
+def _fa2_with_s_and_p(n, d, block_q):
+    return fa2_transfers(n, d, block_q) + 4 * n * n
+
+
+def fa1_block_sizes(sram, d):
+    """Chapter 6: Algorithm 1's (Br, Bc) for an SRAM of `sram` elements."""
+    bc = -(-sram // (4 * d))  # ceil(M / 4d)
+    return min(bc, d), bc
+
+
+def _fa1_floor(sram, d):
+    bc = sram // (4 * d)
+    return min(bc, d), bc
+
+
+def _fa1_no_cap(sram, d):
+    bc = -(-sram // (4 * d))
+    return bc, bc
+
+
+def causal_mask(nq, nk, align):
+    """Chapter 7: bool (Nq, Nk), True where query i may see key j.
+
+    align "top_left": j <= i; "bottom_right": j <= i + Nk - Nq.
+    """
+    offset = 0 if align == "top_left" else nk - nq
+    return np.arange(nk)[None, :] <= np.arange(nq)[:, None] + offset
+
+
+def _causal_ignores_align(nq, nk, align):
+    return np.arange(nk)[None, :] <= np.arange(nq)[:, None]
+
+
+def _causal_strict(nq, nk, align):
+    offset = 0 if align == "top_left" else nk - nq
+    return np.arange(nk)[None, :] < np.arange(nq)[:, None] + offset
+
+
+def window_mask(nq, nk, left, right):
+    """Chapter 7: bool (Nq, Nk), i - left <= j <= i + right (top-left)."""
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    return (j >= i - left) & (j <= i + right)
+
+
+def _window_exclusive(nq, nk, left, right):
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    return (j > i - left) & (j < i + right)
+
+
+def _window_swapped(nq, nk, left, right):
+    return window_mask(nq, nk, right, left)
+
+
+def softmax_backward(p, dp):
+    """Chapter 8: dS = P (dP - D) for one row, D = sum_j P_j dP_j."""
+    return p * (dp - p @ dp)
+
+
+def _softmax_backward_no_d(p, dp):
+    return p * dp
+
+
+def _softmax_backward_sum_dp(p, dp):
+    return p * (dp - dp.sum())
+
+
+def row_delta(do, o):
+    """Chapter 8: D_i = rowsum(dO_i * O_i), (Nq, d_v) -> (Nq,)."""
+    return (do * o).sum(axis=1)
+
+
+def _delta_total(do, o):
+    return np.full(len(do), (do * o).sum())
+
+
+def _delta_do_only(do, o):
+    return do.sum(axis=1)
+
+
+def thread_piece(t, tx_n, rm, cn):
+    """Chapter 9: (rows, cols) of S that thread t holds in v3 and v4."""
+    ty, tx = t // tx_n, t % tx_n
+    return (tuple(range(ty * rm, ty * rm + rm)),
+            tuple(range(tx * cn, tx * cn + cn)))
+
+
+def _piece_swapped(t, tx_n, rm, cn):
+    ty, tx = t % tx_n, t // tx_n
+    return (tuple(range(ty * rm, ty * rm + rm)),
+            tuple(range(tx * cn, tx * cn + cn)))
+
+
+def _piece_strided(t, tx_n, rm, cn):
+    ty, tx = t // tx_n, t % tx_n
+    return (tuple(range(ty * rm, ty * rm + rm)),
+            tuple(tx + tx_n * c for c in range(cn)))
+
+
+def fa2_intensity(n, d, block_q):
+    """Chapter 9: FLOPs per HBM byte of the float32 FA2 forward."""
+    return costs.flops(n, n, d) / (4 * costs.fused_transfers(
+        n, d, block_q=block_q))
+
+
+def _intensity_elements(n, d, block_q):
+    return costs.flops(n, n, d) / costs.fused_transfers(n, d,
+                                                        block_q=block_q)
+
+
+def _intensity_dense(n, d, block_q):
+    return costs.flops(n, n, d) / (4 * costs.dense_transfers(
+        n, d, block_q=block_q))
+
+
+def _cases_materialized(rng):
+    out = []
+    for name, nq, nk, shift in (("random 6 x 9", 6, 9, 0.0),
+                                ("one query, one key", 1, 1, 0.0),
+                                ("large scores", 5, 7, 40.0)):
+        q = rng.standard_normal((nq, 4)) + shift / 4
+        k = rng.standard_normal((nk, 4)) + shift / 4
+        v = rng.standard_normal((nk, 3))
+        out.append(Case(name, (q, k, v), reference.attention(q, k, v)))
+    return out
+
+
+def _cases_bytes(rng):
+    return [Case(f"n={n}, {h} heads, batch {b}, {s} bytes", (n, h, b, s),
+                 float(2 * b * h * costs.matrix_bytes(n, n, s)))
+            for n, h, b, s in ((1024, 8, 2, 2), (4096, 32, 4, 2),
+                               (1, 1, 1, 4), (int(rng.integers(2, 500)),
+                                              3, 5, 4))]
+
+
+def _cases_fa2_transfers(rng):
+    return [Case(f"n={n}, d={d}, block_q={bq}", (n, d, bq),
+                 float(costs.fused_transfers(n, d, block_q=bq)))
+            for n, d, bq in ((6, 2, 2), (1, 4, 8), (100, 16, 32),
+                             (int(rng.integers(50, 300)), 8, 7))]
+
+
+def _cases_fa1_blocks(rng):
+    return [Case(f"M={m}, d={d}", (m, d),
+                 tuple(float(x) for x in io.fa1_blocks(m, d)))
+            for m, d in ((1024, 32), (1000, 32), (65536, 64), (256, 64),
+                         (int(rng.integers(300, 20000)), 16))]
+
+
+def _mask_case(nq, nk, **rules):
+    keep = masks.rules(rules.get("causal", False), rules.get("window"),
+                       None, None, (), nq, nk).allowed(range(nq), range(nk))
+    return np.ones((nq, nk)) if keep is None else keep.astype(float)
+
+
+def _cases_causal_mask(rng):
+    out = []
+    for nq, nk in ((4, 4), (3, 6), (6, 3), (1, 1),
+                   (int(rng.integers(2, 9)), int(rng.integers(2, 9)))):
+        for align in ("top_left", "bottom_right"):
+            causal = True if align == "top_left" else "bottom_right"
+            out.append(Case(f"Nq={nq}, Nk={nk}, {align}", (nq, nk, align),
+                            _mask_case(nq, nk, causal=causal)))
+    return out
+
+
+def _cases_window_mask(rng):
+    return [Case(f"Nq={nq}, Nk={nk}, window ({lt}, {rt})",
+                 (nq, nk, lt, rt), _mask_case(nq, nk, window=(lt, rt)))
+            for nq, nk, lt, rt in ((6, 6, 2, 0), (5, 8, 1, 3), (1, 1, 0, 0),
+                                   (7, 4, 3, 1),
+                                   (9, 9, int(rng.integers(0, 4)), 2))]
+
+
+def _cases_softmax_backward(rng):
+    out = []
+    for name, n in (("random row of 7", 7), ("a single key", 1),
+                    ("row of 20", 20)):
+        s = rng.standard_normal(n) * 2
+        p = reference.softmax(s)
+        dp = rng.standard_normal(n)
+        out.append(Case(name, (p, dp), p * (dp - p @ dp)))
+    return out
+
+
+def _cases_delta(rng):
+    return [Case(f"{nq} rows, d_v={dv}", (do, o), (do * o).sum(axis=1))
+            for nq, dv in ((5, 3), (1, 1), (12, 8))
+            for do, o in [(rng.standard_normal((nq, dv)),
+                           rng.standard_normal((nq, dv)))]]
+
+
+def _cases_thread_piece(rng):
+    tl = gpu_tiles()
+    out = [Case(f"thread {t} of the d=64 layout", (t, tl.TX, tl.RM, tl.CN),
+                thread_piece(t, tl.TX, tl.RM, tl.CN))
+           for t in (0, 1, tl.TX, 127, int(rng.integers(2, 127)))]
+    return [c._replace(want=tuple(tuple(float(x) for x in part)
+                                  for part in c.want)) for c in out]
+
+
+def _cases_intensity(rng):
+    return [Case(f"n={n}, d={d}, block_q={bq}", (n, d, bq),
+                 fa2_intensity(n, d, bq))
+            for n, d, bq in ((16384, 64, 64), (1024, 128, 128),
+                             (int(rng.integers(100, 5000)), 32, 16))]
+
+
+def gpu_tiles():
+    """The v3/v4 layout at d = 64 (the GPU package's own, no GPU needed)."""
+    from flashlab.gpu.device import tiles
+
+    return tiles(64, 64)
+
+
 _NO_MAX = ("exp of a score near 1000 overflows to inf: subtract the "
            "maximum m before exponentiating (chapter 2)")
 _NO_RESCALE = ("when the running maximum grows from m to m', what was summed "
@@ -486,6 +740,73 @@ _NO_RESCALE = ("when the running maximum grows from m to m', what was summed "
                "the new terms are added")
 
 EXERCISES = {
+    "materialized_attention": Exercise(
+        1, "materialized_attention(q (Nq, d), k (Nk, d), v (Nk, d_v)) -> "
+        "(Nq, d_v): S, softmax of each row, P V; scale 1/sqrt(d)",
+        _cases_materialized, materialized_attention,
+        (("the scores are tau Q K^T with tau = 1/sqrt(d)",
+          _materialized_no_scale),
+         ("the softmax normalizes each query's row of S (axis 1), not each "
+          "key's column", _materialized_columns))),
+    "intermediate_bytes": Exercise(
+        1, "intermediate_bytes(n, heads, batch, itemsize) -> bytes of S and "
+        "P for one layer", _cases_bytes, intermediate_bytes,
+        (("both S and P are n x n per head: count two matrices",
+          _bytes_s_only),
+         ("every head of every batch element has its own S and P",
+          _bytes_no_heads))),
+    "fa2_transfers": Exercise(
+        6, "fa2_transfers(n, d, block_q) -> elements moved by the FA2 "
+        "forward of one head (d_v = d)", _cases_fa2_transfers,
+        fa2_transfers,
+        (("each query block rereads all of K and V: ceil(n / block_q) "
+          "passes", _fa2_no_reread),
+         ("S and P never leave the chip in the fused schedule",
+          _fa2_with_s_and_p))),
+    "fa1_block_sizes": Exercise(
+        6, "fa1_block_sizes(sram, d) -> (Br, Bc) of Algorithm 1",
+        _cases_fa1_blocks, fa1_block_sizes,
+        (("Bc = ceil(M / 4d): round up", _fa1_floor),
+         ("the paper caps Br at d: Br = min(Bc, d)", _fa1_no_cap))),
+    "causal_mask": Exercise(
+        7, "causal_mask(nq, nk, align) -> bool (Nq, Nk), align "
+        "'top_left' or 'bottom_right'", _cases_causal_mask, causal_mask,
+        (("bottom-right alignment shifts the diagonal by Nk - Nq: the last "
+          "query sees the last key", _causal_ignores_align),
+         ("a query may attend to its own position: j <= i + offset, not <",
+          _causal_strict))),
+    "window_mask": Exercise(
+        7, "window_mask(nq, nk, left, right) -> bool (Nq, Nk) for "
+        "i - left <= j <= i + right", _cases_window_mask, window_mask,
+        (("both window edges are inclusive", _window_exclusive),
+         ("left bounds the keys before i, right the keys after",
+          _window_swapped))),
+    "softmax_backward": Exercise(
+        8, "softmax_backward(p (N,), dp (N,)) -> dS (N,) for one row",
+        _cases_softmax_backward, softmax_backward,
+        (("the softmax Jacobian has a -p p^T part: subtract D = sum_j p_j "
+          "dp_j", _softmax_backward_no_d),
+         ("D weights dP by P: D = sum_j p_j dp_j, not sum_j dp_j",
+          _softmax_backward_sum_dp))),
+    "row_delta": Exercise(
+        8, "row_delta(do (Nq, d_v), o (Nq, d_v)) -> D (Nq,)",
+        _cases_delta, row_delta,
+        (("D is one number per row: sum over the row only", _delta_total),
+         ("D_i = dO_i . O_i: multiply by O before summing",
+          _delta_do_only))),
+    "thread_piece": Exercise(
+        9, "thread_piece(t, tx_n, rm, cn) -> (rows, cols) of the S tile "
+        "that thread t holds in forward v3/v4", _cases_thread_piece,
+        thread_piece,
+        (("t = ty * tx_n + tx: the row of threads is t // tx_n",
+          _piece_swapped),
+         ("a thread's S columns are contiguous (tx * cn ...); only its "
+          "output columns are strided", _piece_strided))),
+    "fa2_intensity": Exercise(
+        9, "fa2_intensity(n, d, block_q) -> FLOPs per HBM byte of the "
+        "float32 FA2 forward", _cases_intensity, fa2_intensity,
+        (("a float32 element is 4 bytes", _intensity_elements),
+         ("the fused schedule does not move S and P", _intensity_dense))),
     "deferred_division": Exercise(
         2, "deferred_division(scores (N,), values (N, d_v)) -> (d_v,): "
         "sum the exp-weighted values, then divide once",
