@@ -15,9 +15,9 @@ Everything else that is not finite comes out as NaN:
   materialized reference (0 * NaN is NaN). Which tiles a backend visits
   therefore never decides which rows turn NaN.
 
-`finish` applies the rule to a computed (o, lse) in place; numpy arrays
-and torch tensors alike. `bad_columns` and `finish_row` are its kernel
-form, compiled by flashlab.gpu. See chapter 7.
+`finish` applies the rule to a computed (o, lse) in place (numpy);
+`mark_bad` and `finish_row` are its kernel form, compiled by flashlab.gpu.
+See chapter 7.
 """
 
 import math
@@ -26,25 +26,17 @@ import numpy as np
 
 
 def finish(o, lse, v, empty):
-    """Apply the rule in place to o (..., Nq, dv) and lse (..., Nq).
+    """Apply the rule in place to o (..., Nq, d_v) and lse (..., Nq).
 
-    v (..., Nk, dv) is the input; empty (..., Nq) bool marks the rows the
+    v (..., Nk, d_v) is the input; empty (..., Nq) bool marks the rows the
     masks leave without keys.
     """
-    xp = np if isinstance(o, np.ndarray) else _torch()
-    if xp is not np:
-        empty = xp.as_tensor(np.ascontiguousarray(empty), device=o.device)
     full = ~empty
-    unreached = xp.isneginf(lse) & full  # (..., Nq): 0 / 0 rows
-    bad = ~xp.isfinite(v).all(-2)  # (..., dv)
+    unreached = np.isneginf(lse) & full  # (..., Nq): 0 / 0 rows
+    bad = ~np.isfinite(v).all(axis=-2)  # (..., d_v)
     nan_o = unreached[..., None] | (bad[..., None, :] & full[..., None])
-    if xp is np:
-        o[...] = np.where(nan_o, np.nan, np.where(empty[..., None], 0, o))
-        lse[...] = np.where(unreached, np.nan,
-                            np.where(empty, -np.inf, lse))
-    else:  # the kernels already leave empty rows at 0 and -inf
-        o.masked_fill_(nan_o, math.nan)
-        lse.masked_fill_(unreached, math.nan)
+    o[...] = np.where(nan_o, np.nan, np.where(empty[..., None], 0, o))
+    lse[...] = np.where(unreached, np.nan, np.where(empty, -np.inf, lse))
     return o, lse
 
 
@@ -72,8 +64,3 @@ def finish_row(o, lse, bad, empty, b, i, nan, neg_inf):
         if bad[b, x]:
             o[b, i, x] = nan
 
-
-def _torch():
-    import torch
-
-    return torch
