@@ -96,6 +96,29 @@ def _check_same_rows(a, b):
                 f"(summaries of different rows do not merge)")
 
 
+def combine(outs, lses):
+    """One output from partial results in the form kernels return them.
+
+    outs (S, ..., d_v) holds each split's normalized output u_s / l_s and
+    lses (S, ...) its log-sum-exp m_s + log l_s (-inf for a split with no
+    allowed key). Each is a `Summary` with m = lse, l = 1, u = out, so the
+    splits fold with `merge`; returns (out (..., d_v), lse (...)).
+    """
+    outs, lses = np.asarray(outs), np.asarray(lses)
+    if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
+        raise ValueError(
+            f"lses: expected shape {outs.shape[:-1]} (one per split and "
+            f"row of outs {outs.shape}), got {lses.shape}")
+    if len(outs) == 0:
+        raise ValueError("outs: expected at least one split, got none")
+    total = None
+    for out, lse in zip(outs, lses):
+        part = Summary(lse, np.where(np.isneginf(lse), 0, 1).astype(
+            out.dtype), np.where(np.isneginf(lse)[..., None], 0, out))
+        total = part if total is None else merge(total, part)
+    return total.output(), total.lse()
+
+
 def probabilities(scores, lse):
     """P = exp(S - lse) (..., R, C) recomputed from the saved row lse (..., R).
 

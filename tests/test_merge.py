@@ -148,3 +148,31 @@ def test_row_step_is_the_merge_for_one_row(rng):
         assert (m0, alpha0) == (-np.inf, 0.0)
         assert np.exp(-np.inf - shift0) == 0.0
         assert merge.row_probability(-np.inf, -np.inf, lowest) == 0.0
+
+
+def test_combine_equals_merging_summaries_and_handles_empty_splits(rng):
+    s = rng.standard_normal((3, 40)) * 4  # 3 rows, 40 keys
+    v = rng.standard_normal((40, 5))
+    s[1, :14] = -np.inf  # row 1 sees nothing in the first split
+    s[2] = -np.inf  # row 2 sees nothing at all
+    cuts = [0, 14, 15, 33, 40]
+    parts = [merge.summarize(s[:, a:b], v[a:b]) for a, b in zip(cuts, cuts[1:])]
+    outs = np.stack([p.output() for p in parts])  # (4, 3, 5)
+    lses = np.stack([p.lse() for p in parts])  # (4, 3)
+    out, lse = merge.combine(outs, lses)
+    whole = merge.summarize(s, v)
+    assert np.max(np.abs(out - whole.output())) < 1e-12
+    fin = np.isfinite(whole.lse())
+    assert np.max(np.abs(lse[fin] - whole.lse()[fin])) < 1e-12
+    assert np.all(out[2] == 0) and np.isneginf(lse[2])
+    # associative: combining combined halves gives the same answer
+    left = merge.combine(outs[:2], lses[:2])
+    right = merge.combine(outs[2:], lses[2:])
+    again, _ = merge.combine(np.stack([left[0], right[0]]),
+                          np.stack([left[1], right[1]]))
+    assert np.max(np.abs(again - out)) < 1e-12
+
+
+def test_combine_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="lses: expected shape"):
+        merge.combine(np.zeros((2, 3, 4)), np.zeros((2, 4)))
