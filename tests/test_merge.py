@@ -156,7 +156,8 @@ def test_combine_equals_merging_summaries_and_handles_empty_splits(rng):
     s[1, :14] = -np.inf  # row 1 sees nothing in the first split
     s[2] = -np.inf  # row 2 sees nothing at all
     cuts = [0, 14, 15, 33, 40]
-    parts = [merge.summarize(s[:, a:b], v[a:b]) for a, b in zip(cuts, cuts[1:])]
+    parts = [merge.summarize(s[:, a:b], v[a:b])
+             for a, b in zip(cuts, cuts[1:])]
     outs = np.stack([p.output() for p in parts])  # (4, 3, 5)
     lses = np.stack([p.lse() for p in parts])  # (4, 3)
     out, lse = merge.combine(outs, lses)
