@@ -33,9 +33,11 @@ ORDERS = ("fa2",)  # the loop order these kernels run
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
-              dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2",
+              num_splits=1):
     """Numba CPU attention; keywords as tiled.attention: o (..., Nq, dv)."""
     tiled.check_order(order, ORDERS)
+    tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
     q3, k3, v3, batch, plan, a = kernel_args.flatten(q, k, v, dict(
         block_q=block_q, block_k=block_k, scale=scale, causal=causal,

@@ -22,6 +22,7 @@ from flashlab import dropout, masks, merge, nonfinite
 from flashlab._validate import (
     as_float_array,
     check_block,
+    check_count,
     check_flag,
     check_qkv,
     check_scale,
@@ -59,19 +60,23 @@ class Plan(NamedTuple):
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
-              dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2",
+              num_splits=1):
     """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v).
 
     Returns o (..., Nq, d_v), and lse (..., Nq) if return_lse. Rows with no
     allowed key give 0 and lse = -inf; non-finite input gives NaN
     (`flashlab.nonfinite`). Masking rules: `flashlab.masks`; dropout (with
     an integer seed): `flashlab.dropout`. Block sizes default to BLOCK.
-    Every backend (cpu, gpu, torch) takes these same keywords.
+    num_splits > 1 splits the keys into that many ranges, each summarized
+    on its own and combined (`forward_split`, split-KV). Every backend
+    (cpu, gpu, torch) takes these same keywords.
     """
     return_lse = check_flag("return_lse", return_lse)
-    o, lse = _run(q, k, v, order, None, block_q=block_q, block_k=block_k,
-                  scale=scale, causal=causal, mask=mask, window=window,
-                  kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed)
+    o, lse = _run(q, k, v, order, None, num_splits, block_q=block_q,
+                  block_k=block_k, scale=scale, causal=causal, mask=mask,
+                  window=window, kv_lengths=kv_lengths, dropout_p=dropout_p,
+                  seed=seed)
     return (o, lse) if return_lse else o
 
 
@@ -81,7 +86,8 @@ def trace(q, k, v, *, order="fa2", **options):
     Takes the keyword options of `attention`.
     """
     tiles = []
-    _run(q, k, v, order, tiles.append, **options)
+    _run(q, k, v, order, tiles.append, options.pop("num_splits", 1),
+         **options)
     return tiles
 
 
@@ -113,8 +119,22 @@ def check_order(order, supported=ORDERS):
     return order
 
 
-def _run(q, k, v, order, on_tile, **options):
+def check_splits(num_splits, supported=None):
+    """Return num_splits as an int >= 1, or raise (a backend that has no
+    split-KV path passes supported=1)."""
+    num_splits = check_count("num_splits", num_splits)
+    if supported is not None and num_splits != supported:
+        raise ValueError(f"num_splits: this backend has no split-KV path; "
+                         f"pass {supported}, got {num_splits}")
+    return num_splits
+
+
+def _run(q, k, v, order, on_tile, num_splits=1, **options):
     order = check_order(order)
+    num_splits = check_splits(num_splits)
+    if num_splits > 1 and order != "fa2":
+        raise ValueError("num_splits: split-KV runs the 'fa2' order; got "
+                         f"order={order!r}")
     q, k, v, plan_ = plan(q, k, v, **options)
     rows = (*q.shape[:-2], plan_.nq)
     o = np.empty((*rows, v.shape[-1]), dtype=q.dtype)
@@ -122,7 +142,7 @@ def _run(q, k, v, order, on_tile, **options):
     with np.errstate(invalid="ignore"):
         if order == "fa2":
             lse = np.empty(rows, dtype=q.dtype)
-            forward_fa2(q, k, v, o, lse, plan_, on_tile)
+            forward_split(q, k, v, o, lse, plan_, num_splits, on_tile)
         else:
             m = np.empty(rows, dtype=q.dtype)
             l = np.empty(rows, dtype=q.dtype)
@@ -164,16 +184,41 @@ def load_q(q, rows, plan):
     return q[..., rows.start:rows.stop, :] * q.dtype.type(plan.scale)
 
 
-def forward_fa2(q, k, v, o, lse, plan, on_tile=None):
+def forward_split(q, k, v, o, lse, plan, num_splits, on_tile=None):
+    """Split-KV: the key blocks in num_splits contiguous ranges, each run
+    as its own FA2 pass to a partial (out, lse), joined by merge.combine.
+
+    The partial results are what parallel thread blocks (or devices) would
+    write; with num_splits = 1 this is forward_fa2 itself.
+    """
+    cols = blocks(plan.nk, plan.block_k)
+    if num_splits == 1:
+        return forward_fa2(q, k, v, o, lse, plan, on_tile)
+    groups = [g for g in np.array_split(np.arange(len(cols)), num_splits)
+              if len(g)]
+    outs = np.empty((len(groups), *o.shape), dtype=o.dtype)  # workspace
+    lses = np.empty((len(groups), *o.shape[:-1]), dtype=o.dtype)
+    for s, group in enumerate(groups):
+        forward_fa2(q, k, v, outs[s], lses[s], plan, on_tile,
+                    key_blocks=[cols[j] for j in group])
+    o[...], combined = merge.combine(outs, lses)
+    if lse is not None:
+        lse[...] = combined
+
+
+def forward_fa2(q, k, v, o, lse, plan, on_tile=None, key_blocks=None):
     """FlashAttention-2 order: query blocks outer, K/V blocks inner.
 
     lse may be None when the statistics are not needed (inference).
+    key_blocks: the K/V blocks to visit (default: all of them).
     """
     d_v = v.shape[-1]
+    if key_blocks is None:
+        key_blocks = blocks(plan.nk, plan.block_k)
     for rows in blocks(plan.nq, plan.block_q):
         q_i = load_q(q, rows, plan)  # HBM -> chip once per query block
         state = merge.empty((*q_i.shape[:-2], len(rows)), d_v, q.dtype)
-        for cols in blocks(plan.nk, plan.block_k):
+        for cols in key_blocks:
             if plan.rules.skips(rows, cols):
                 continue  # no allowed pair: no loads, no arithmetic
             k_j, v_j = load_kv(k, v, cols)  # reloaded for every Q_i

@@ -21,14 +21,15 @@ class Attention(torch.autograd.Function):
     """Autograd wrapper around the forward and backward of a backend."""
 
     @staticmethod
-    def forward(ctx, q, k, v, options):
+    def forward(ctx, q, k, v, options, num_splits):
         if q.is_cuda:
             from flashlab import gpu
 
-            o, lse = gpu.attention(q, k, v, return_lse=True, **options)
+            o, lse = gpu.attention(q, k, v, return_lse=True,
+                                   num_splits=num_splits, **options)
         else:
             o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
-                                     **options)
+                                     num_splits=num_splits, **options)
             o, lse = torch.from_numpy(o), torch.from_numpy(lse)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = options
@@ -49,15 +50,16 @@ class Attention(torch.autograd.Function):
 
             grads = gpu.attention_backward(q, k, v, o, lse,
                                            do.contiguous(), **ctx.options)
-            return (*grads, None)
+            return (*grads, None, None)
         grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
                                          **ctx.options)
-        return (*(torch.from_numpy(g) for g in grads), None)
+        return (*(torch.from_numpy(g) for g in grads), None, None)
 
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
-              dropout_p=0.0, seed=None, return_lse=False, order="fa2"):
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2",
+              num_splits=1):
     """Differentiable attention: q (..., Nq, d), k, v -> o (..., Nq, dv).
 
     Keywords and semantics as tiled.attention; mask is a bool tensor or
@@ -90,7 +92,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                    causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    order=order)
-    o, lse = Attention.apply(q, k, v, options)
+    o, lse = Attention.apply(q, k, v, options, num_splits)
     return (o, lse) if return_lse else o
 
 

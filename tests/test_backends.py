@@ -41,17 +41,21 @@ def calls(draw):
                     seed=draw(st.integers(0, 2**63)))
     blocks = dict(block_q=draw(st.integers(1, 48)),
                   block_k=draw(st.integers(1, 48)))
-    return q, k, v, opts, blocks
+    opts_splits = draw(st.integers(1, 6))  # split-KV where a backend has it
+    return q, k, v, opts, blocks, opts_splits
 
 
-def float64_backends(q, k, v, opts, blocks):
+def float64_backends(q, k, v, opts, blocks, splits):
     """(name, o, lse) of every float64 backend."""
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     to, tlse = fl_torch.attention(tq, tk, tv, return_lse=True, **opts,
-                                  **blocks)
+                                  num_splits=splits, **blocks)
     return [
         ("tiled fa2", *tiled.attention(q, k, v, return_lse=True, **opts,
                                        **blocks)),
+        ("tiled split-KV", *tiled.attention(q, k, v, return_lse=True,
+                                            num_splits=splits, **opts,
+                                            **blocks)),
         ("tiled fa1", *tiled.attention(q, k, v, return_lse=True,
                                        order="fa1", **opts, **blocks)),
         ("cpu", *cpu.attention(q, k, v, return_lse=True, **opts, **blocks)),
@@ -63,9 +67,9 @@ def float64_backends(q, k, v, opts, blocks):
           suppress_health_check=[HealthCheck.too_slow])
 @given(call=calls())
 def test_every_backend_agrees_with_the_reference(call):
-    q, k, v, opts, blocks = call
+    q, k, v, opts, blocks, splits = call
     o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
-    for name, o, lse in float64_backends(q, k, v, opts, blocks):
+    for name, o, lse in float64_backends(q, k, v, opts, blocks, splits):
         assert max_abs_err(o, o_ref) < 1e-12, name
         assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), name
         finite = np.isfinite(lse_ref)

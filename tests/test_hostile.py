@@ -208,6 +208,13 @@ def test_every_backend_refuses_what_it_cannot_do(inputs):
         tiled.attention_backward(q, k, v, q, q[..., 0], q, order="fa3")
     with pytest.raises(TypeError, match="return_lse: expected True"):
         tiled.attention(q, k, v, return_lse="yes")
+    for backend in (cpu, gpu):
+        with pytest.raises(ValueError, match="num_splits: this backend"):
+            backend.attention(q, k, v, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits: split-KV runs"):
+        tiled.attention(q, k, v, num_splits=2, order="fa1")
+    with pytest.raises(ValueError, match="num_splits: expected"):
+        tiled.attention(q, k, v, num_splits=0)
     with pytest.raises(TypeError, match="q: expected a torch CUDA tensor"):
         gpu.attention(q.tolist(), k, v)
     with pytest.raises(TypeError, match="q: expected a torch CUDA tensor"):

@@ -50,7 +50,7 @@ def tile_shape(version, d, d_v):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              version=DEFAULT_VERSION):
+              num_splits=1, version=DEFAULT_VERSION):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
@@ -60,6 +60,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     """
     version = _check_version(version)
     tiled.check_order(order, ORDERS)
+    tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
     d, d_v = _check_device_inputs((("q", q), ("k", k), ("v", v)))
     br, bc, threads = FORWARDS[version].shape(d, d_v)
