@@ -156,27 +156,182 @@ def gpu_ceilings(n=8192, reps=10):
                 copy_tbps=2 * x.nbytes / ms_copy / 1e9)
 
 
-def gpu_memory(n=131072, bh=16, d=64):
+def gpu_memory(n=131072, bh=16, d=64, dtype="float32", version=None):
     """Peak device memory of one forward against inputs + output + lse."""
     import torch
 
     from flashlab import gpu
 
     torch.cuda.empty_cache()
-    q, k, v = (torch.randn(1, bh, n, d, device="cuda") for _ in range(3))
+    q, k, v = (torch.randn(1, bh, n, d, device="cuda",
+                           dtype=getattr(torch, dtype)) for _ in range(3))
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    o, lse = gpu.attention(q, k, v, causal=True, return_lse=True)
+    o, lse = gpu.attention(q, k, v, causal=True, return_lse=True,
+                           version=version)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated()
     need = 3 * q.nbytes + o.nbytes + lse.nbytes
     extra = peak - base - o.nbytes - lse.nbytes
-    return dict(n=n, bh=bh, d=d, peak_gib=peak / 2**30,
+    return dict(n=n, bh=bh, d=d, dtype=dtype, version=version,
+                peak_gib=peak / 2**30,
                 need_gib=need / 2**30, ratio=peak / need,
                 extra_bytes=extra, seconds=seconds)
+
+
+def tensor_rows(sizes, reps, dims=(64, 128), b=2, h=8):
+    """bf16 and float32 on the tensor cores against torch, per (d, N, causal).
+
+    bf16: flashlab v5 against torch's FLASH_ATTENTION (the ratio) and
+    CUDNN_ATTENTION backends, forward and backward (flashlab's backward
+    runs its float32 kernels on widened copies). float32: v6 at 3xTF32
+    and at tf32, and v3, against torch's memory-efficient kernel.
+    """
+    import torch
+
+    plan = [(d, n, c) for d in dims for n in sizes for c in (False, True)]
+    rows = []
+    for step, (d, n, causal) in enumerate(plan, 1):
+        _progress(step, len(plan), f"tensor cores d={d} N={n} "
+                                   f"causal={causal}")
+        rows += _tensor_case(d, n, causal, reps(n), b, h)
+        torch.cuda.empty_cache()
+    print(file=sys.stderr)
+    return rows
+
+
+def _tensor_case(d, n, causal, reps, b, h):
+    """The measurements of `tensor_rows` at one point."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import gpu
+    from flashlab import torch as fl_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen)
+                   for _ in range(4))
+    half = [x.bfloat16() for x in (q, k, v, do)]
+
+    def sdpa(backend, x):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(*x[:3],
+                                                      is_causal=causal)
+        return run
+
+    fwd = _flops(b, h, n, d, causal)
+    bwd = _flops(b, h, n, d, causal, backward=True)
+    rows = []
+    timed = {"flashlab v5 bf16": lambda: gpu.attention(*half[:3],
+                                                        causal=causal),
+             "torch flash bf16": sdpa(SDPBackend.FLASH_ATTENTION, half),
+             "torch cudnn bf16": sdpa(SDPBackend.CUDNN_ATTENTION, half)}
+    ms = {name: _gpu_time(fn, reps) for name, fn in timed.items()}
+    rows += [_row("gpu", name, "forward", causal, b, h, n, d, t, fwd,
+                  ms["torch flash bf16"] / t) for name, t in ms.items()]
+
+    def backward(fn):
+        x = [t.clone().requires_grad_() for t in half[:3]]
+        out = fn(x)
+        return lambda: torch.autograd.grad(out, x, half[3],
+                                           retain_graph=True)
+
+    def flash(x):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(*x, is_causal=causal)
+
+    ms = {"flashlab bf16": _gpu_time(backward(lambda x: fl_torch.attention(
+              *x, causal=causal)), reps),
+          "torch flash bf16": _gpu_time(backward(flash), reps)}
+    rows += [_row("gpu", name, "backward", causal, b, h, n, d, t, bwd,
+                  ms["torch flash bf16"] / t) for name, t in ms.items()]
+    timed = {"flashlab v6 3xtf32": lambda: gpu.attention(
+                 q, k, v, version=6, causal=causal),
+             "flashlab v6 tf32": lambda: gpu.attention(
+                 q, k, v, version=6, precision="tf32", causal=causal),
+             "flashlab v3": lambda: gpu.attention(q, k, v, version=3,
+                                                  causal=causal),
+             "torch efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION,
+                                     (q, k, v))}
+    ms = {name: _gpu_time(fn, reps) for name, fn in timed.items()}
+    rows += [_row("gpu", name, "forward", causal, b, h, n, d, t, fwd,
+                  ms["torch efficient"] / t) for name, t in ms.items()]
+    return rows
+
+
+def accuracy(n=4096, bh=4, d=64):
+    """Max |O - O_64| of float32 ways of computing one attention.
+
+    Against float64 on the same float32 inputs: naive float32 (torch's
+    materialized math), v6 at 3xTF32 and at tf32, v3, torch's
+    memory-efficient kernel, and v5 on bf16-rounded inputs against
+    float64 on those same rounded inputs.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import gpu
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, bh, n, d, device="cuda", generator=gen)
+               for _ in range(3))
+
+    def math(x):
+        s = x[0] @ x[1].transpose(-1, -2) * d**-0.5
+        return torch.softmax(s, -1) @ x[2]
+
+    want = math([x.double() for x in (q, k, v)])
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        eff = F.scaled_dot_product_attention(q, k, v)
+    got = {"naive float32": math((q, k, v)),
+           "v6 3xtf32": gpu.attention(q, k, v, version=6),
+           "v6 tf32": gpu.attention(q, k, v, version=6, precision="tf32"),
+           "v3": gpu.attention(q, k, v, version=3),
+           "torch efficient": eff}
+    errs = {name: float((o.double() - want).abs().max())
+            for name, o in got.items()}
+    half = [x.bfloat16() for x in (q, k, v)]
+    want = math([x.double() for x in half])
+    errs["v5 bf16"] = float((gpu.attention(*half).double() - want)
+                            .abs().max())
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = F.scaled_dot_product_attention(*half)
+    errs["torch flash bf16"] = float((flash.double() - want).abs().max())
+    return errs
+
+
+def tensor_ceilings(reps=10):
+    """TFLOP/s of a register-only mma.sync loop from numba, and of
+    cuBLAS bf16 and tf32 matmuls: the roofs of chapter 10."""
+    import torch
+    from numba import cuda
+
+    from flashlab.gpu import ceiling
+
+    blocks, threads, iters = 132 * 8, 256, 4096
+    sink = cuda.device_array(blocks * threads, np.float32)
+    out = {}
+    for kind in ("bf16", "tf32"):
+        kernel, flop = ceiling.loop(kind)
+        launch = kernel[blocks, threads]
+        ms = _gpu_time(lambda: launch(sink, iters), reps)  # noqa: B023
+        out[f"numba mma {kind}"] = (blocks * threads // 32 * iters * flop
+                                    / ms / 1e9)
+    n = 8192
+    for kind, dtype in (("bf16", torch.bfloat16), ("tf32", torch.float32)):
+        torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype)
+                for _ in range(2))
+        ms = _gpu_time(lambda: a @ b, reps)  # noqa: B023
+        out[f"cublas {kind}"] = 2 * n**3 / ms / 1e9
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return out
 
 
 def cpu_rows(reps=5, n=4096, b=1, h=4, d=64, threads=2):
@@ -283,6 +438,10 @@ def main(argv=None):
                     help="flashlab.gpu forward versions to time")
     ap.add_argument("--ceilings", action="store_true",
                     help="only measure the float32 and bandwidth roofs")
+    ap.add_argument("--tensor-cores", action="store_true",
+                    help="bf16 and 3xTF32 forward (d = 64, 128) against "
+                         "torch's flash, cuDNN and efficient kernels, "
+                         "with accuracy and the tensor-core roofs")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -293,6 +452,8 @@ def main(argv=None):
               f" device copy {roofs['copy_tbps']:.2f} TB/s")
         return roofs
     rows, memory = [], None
+    if args.tensor_cores:
+        return tensor_main(args)
     if not args.no_gpu:
         import torch
 
@@ -320,6 +481,35 @@ def main(argv=None):
               f"d={memory['d']}, causal: peak {memory['peak_gib']:.3f} GiB "
               f"for {memory['need_gib']:.3f} GiB of inputs, output and lse "
               f"({memory['ratio']:.4f}x, {memory['seconds']:.1f} s)")
+    return rows
+
+
+def tensor_main(args):
+    """--tensor-cores: tables of speed, accuracy, roofs and memory."""
+    import json
+
+    sizes = (1024, 4096) if args.quick else (1024, 4096, 16384)
+    rows = tensor_rows(sizes, lambda n: 5 if n > 8192 else 20)
+    errs = accuracy()
+    roofs = tensor_ceilings()
+    memory = [gpu_memory(dtype=dt, version=ver)
+              for dt, ver in (("bfloat16", 5), ("float32", 6))]
+    with open(os.path.join(args.out, "tensor.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(os.path.join(args.out, "tensor.json"), "w") as f:
+        json.dump(dict(machine=machine(), accuracy=errs, ceilings=roofs,
+                       memory=memory), f, indent=1)
+    print(table(rows))
+    print("accuracy, max |O - O_float64| (N=4096, B*H=4, d=64):")
+    for name, e in errs.items():
+        print(f"  {name:<18} {e:.3e}")
+    print("roofs, TFLOP/s:", ", ".join(f"{k} {v:.0f}"
+                                        for k, v in roofs.items()))
+    for m in memory:
+        print(f"memory: {m['dtype']} v{m['version']} forward N={m['n']}: "
+              f"{m['ratio']:.4f}x inputs + output + lse")
     return rows
 
 

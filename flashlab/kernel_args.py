@@ -38,13 +38,13 @@ class KernelArgs(NamedTuple):
     mask: np.ndarray  # (BH, Nq, Nk) bool, or (1, 1, 1) when unused
 
 
-def proxy(x):
-    """A numpy stand-in with x's shape and dtype that holds no data.
+def proxy(x, dtype=None):
+    """A numpy stand-in with x's shape and dtype (or `dtype`), no data.
 
     Lets device arrays and torch tensors go through the same checks as
     numpy arrays without copying them to the host.
     """
-    dtype = np.dtype(str(x.dtype).removeprefix("torch."))
+    dtype = np.dtype(dtype or str(x.dtype).removeprefix("torch."))
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(x.shape))
 
 

@@ -161,6 +161,19 @@ def row_step(m_run, tile_max, lowest):
     return m_new, shift, math.exp(m_run - shift)
 
 
+def row_step2(m_run, tile_max, lowest):
+    """row_step in base 2, for scores already multiplied by log2(e).
+
+    Tensor-core kernels fold log2(e) into the scale so that each term is
+    one exp2 (a single special-function instruction) instead of exp's
+    multiply and exp2. m, shift and the running maximum are in those
+    units: lse = ln(2) (m + log2(l)).
+    """
+    m_new = max(m_run, tile_max)
+    shift = max(m_new, lowest)
+    return m_new, shift, math.exp2(m_run - shift)
+
+
 def row_probability(score, lse, lowest):
     """P_ij = exp(S_ij - lse_i) for one pair, kernel form; 0 for empty rows."""
     return math.exp(score - max(lse, lowest))

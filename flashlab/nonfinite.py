@@ -16,7 +16,8 @@ Everything else that is not finite comes out as NaN:
   therefore never decides which rows turn NaN.
 
 `finish` applies the rule to a computed (o, lse) in place (numpy);
-`mark_bad` and `finish_row` are its kernel form, compiled by flashlab.gpu.
+`mark_bad`, `mark_bad_bits` and `finish_row` are its kernel form,
+compiled by flashlab.gpu.
 See chapter 7.
 """
 
@@ -47,20 +48,28 @@ def mark_bad(v, bad, b, j, x):
         bad[b, x] = True
 
 
-def finish_row(o, lse, bad, empty, b, i, nan, neg_inf):
+def mark_bad_bits(v, bad, b, j, x, exponent):
+    """mark_bad for 16-bit floats stored as int16 bit patterns: not finite
+    when every `exponent` bit is set (0x7C00 float16, 0x7F80 bf16)."""
+    if (v[b, j, x] & exponent) == exponent:
+        bad[b, x] = True
+
+
+def finish_row(o, lse, bad, empty, b, i, o_nan, lse_nan, neg_inf):
     """Kernel form of `finish` for row i of batch element b.
 
-    empty may be (1, 1) standing for "no row is empty"; nan and neg_inf
-    come in the kernel's float dtype so no float64 constant appears.
+    empty may be (1, 1) standing for "no row is empty"; o_nan, lse_nan
+    and neg_inf come in the dtypes of o and lse (a NaN bit pattern for a
+    16-bit o stored as int16), so no float64 constant appears.
     """
     if empty[min(b, empty.shape[0] - 1), min(i, empty.shape[1] - 1)]:
         return
     if lse[b, i] == neg_inf:  # allowed scores all -inf: 0 / 0
-        lse[b, i] = nan
+        lse[b, i] = lse_nan
         for x in range(o.shape[2]):
-            o[b, i, x] = nan
+            o[b, i, x] = o_nan
         return
     for x in range(o.shape[2]):
         if bad[b, x]:
-            o[b, i, x] = nan
+            o[b, i, x] = o_nan
 

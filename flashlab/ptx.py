@@ -4,7 +4,8 @@
     python -m flashlab.ptx --resources  # on a GPU: registers, local memory
 
 `report` compiles every flashlab.gpu kernel to PTX for compute capability
-9.0 and counts float64 instructions, static shared memory and fast exps.
+9.0 and counts float64 instructions, static shared memory, fast exps,
+tensor-core mmas and local memory.
 `literal_demo` compiles one small device computation twice, with a Python
 float literal and with float32 constants, to show where float64 creeps
 in. numba reads NUMBA_ENABLE_CUDASIM once per process and the simulator
@@ -41,8 +42,21 @@ def fast_exps(ptx):
     return len(re.findall(r"ex2\.approx", ptx))
 
 
+def tensor_ops(ptx):
+    """Number of mma.sync instructions (tensor-core products)."""
+    return len(re.findall(r"\bmma\.sync\b", ptx))
+
+
+def local_bytes(ptx):
+    """Bytes of local memory (register arrays the compiler could not keep
+    in registers) that the PTX declares, before ptxas adds spills."""
+    return sum(int(n) for n in re.findall(
+        r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
+
+
 def report(head_dims=HEAD_DIMS):
-    """{"kernel d dv": {"f64", "shared", "exp"}} for every GPU kernel."""
+    """{"kernel d dv": {"f64", "shared", "exp", "mma", "local"}} for every
+    GPU kernel."""
     from flashlab import gpu
 
     out = {}
@@ -53,7 +67,9 @@ def report(head_dims=HEAD_DIMS):
             ptx = gpu.compile_ptx(name, d, dv)
             out[f"{name} {d} {dv}"] = {"f64": float64_ops(ptx),
                                        "shared": shared_bytes(ptx),
-                                       "exp": fast_exps(ptx)}
+                                       "exp": fast_exps(ptx),
+                                       "mma": tensor_ops(ptx),
+                                       "local": local_bytes(ptx)}
     out.update(literal_demo())
     return out
 
@@ -92,7 +108,8 @@ def literal_demo():
                                       cc=(9, 0))
         counts[f"demo {name}"] = {"f64": float64_ops(ptx),
                                   "shared": shared_bytes(ptx),
-                                  "exp": fast_exps(ptx)}
+                                  "exp": fast_exps(ptx), "mma": 0,
+                                  "local": local_bytes(ptx)}
     return counts
 
 

@@ -1,7 +1,9 @@
 """flashlab attention as a torch.autograd.Function a model can call.
 
-CPU tensors run the tiled numpy path, CUDA tensors the numba.cuda kernels
-of flashlab.gpu (float32), in place through __cuda_array_interface__. The
+CPU tensors (float32, float64) run the tiled numpy path, CUDA tensors the
+numba.cuda kernels of flashlab.gpu in place through
+__cuda_array_interface__: float32 on the default version, bf16 and
+float16 on the tensor cores (v5). The
 forward saves q, k, v, o and the row log-sum-exp only; the backward
 recomputes score tiles from them, so no (Nq, Nk) tensor lives between the
 two passes. The backward is itself not differentiable: asking for a second
@@ -14,7 +16,8 @@ import torch
 from flashlab import tiled
 from flashlab._validate import check_flag
 
-_DTYPES = (torch.float32, torch.float64)
+_DTYPES = {"cpu": (torch.float32, torch.float64),
+           "cuda": (torch.float32, torch.bfloat16, torch.float16)}
 
 
 class Attention(torch.autograd.Function):
@@ -48,9 +51,11 @@ class Attention(torch.autograd.Function):
         if q.is_cuda:
             from flashlab import gpu
 
-            grads = gpu.attention_backward(q, k, v, o, lse,
-                                           do.contiguous(), **ctx.options)
-            return (*grads, None, None)
+            # the backward kernels run float32: 16-bit tensors are
+            # widened for them and the gradients rounded back
+            wide = [x.float() for x in (q, k, v, o, lse, do.contiguous())]
+            grads = gpu.attention_backward(*wide, **ctx.options)
+            return (*(g.to(q.dtype) for g in grads), None, None)
         grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
                                          **ctx.options)
         return (*(torch.from_numpy(g) for g in grads), None, None)
@@ -73,12 +78,13 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got "
                             f"{type(x).__name__}")
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"{name}: expected float32 or float64, got "
-                            f"{x.dtype}")
-        if x.device.type not in ("cpu", "cuda"):
+        if x.device.type not in _DTYPES:
             raise ValueError(f"{name}: expected a CPU or CUDA tensor, got "
                              f"one on {x.device} (no data to compute on)")
+        if x.dtype not in _DTYPES[x.device.type]:
+            raise TypeError(
+                f"{name}: expected a dtype in {_DTYPES[x.device.type]} on "
+                f"{x.device.type}, got {x.dtype}")
         if x.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} like q, "
                              f"got {x.device}")

@@ -12,6 +12,25 @@ import numpy as np
 from flashlab import gpu, reference
 
 
+def forward_calls(d):
+    """(label, dtype, keywords, tolerance) of every forward kernel at d."""
+    calls = []
+    for version in gpu.VERSIONS:
+        names = {5: ["forward_v5_f16"],
+                 6: [f"forward_v6_{p}" for p in gpu.PRECISIONS]}.get(
+                     version, [f"forward_v{version}"])
+        for name in names:
+            if not gpu.supports(name, d, d):
+                continue
+            extra = {"precision": name[11:]} if version == 6 else {}
+            # float16 output rounding: 2**-11 relative; tf32: 2**-11 on
+            # each operand; float32 elsewhere
+            tol = 1e-2 if version == 5 or name.endswith("_tf32") else 1e-4
+            calls.append((name, np.float16 if version == 5 else
+                          np.float32, dict(version=version, **extra), tol))
+    return calls
+
+
 def main():
     rng = np.random.default_rng(0)
     for d in (16, 64, 128):
@@ -19,27 +38,32 @@ def main():
                    for _ in range(3))
         do = rng.standard_normal((2, 77, d)).astype(np.float32)
         for causal in (False, True):
-            want = reference.attention(q, k, v, causal=causal)
-            for version in gpu.VERSIONS:
-                o, lse = gpu.attention(q, k, v, version=version,
-                                       causal=causal, return_lse=True)
-                assert np.max(np.abs(o - want)) < 1e-4, (d, version)
+            for name, dtype, kw, tol in forward_calls(d):
+                x = [a.astype(dtype) for a in (q, k, v)]
+                want = reference.attention(*(a.astype(np.float64) for a in x),
+                                           causal=causal)
+                got = gpu.attention(*x, causal=causal, **kw)
+                assert np.max(np.abs(got - want)) < tol, (d, name)
+            o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
             grads = gpu.attention_backward(q, k, v, o, lse, do,
                                            causal=causal)
             assert all(np.isfinite(g).all() for g in grads)
-        print(f"d={d}: forward versions {gpu.VERSIONS} and backward ran")
+        print(f"d={d}: forward {[c[0] for c in forward_calls(d)]} and "
+              f"backward ran")
     # masks, padding to no key at all, and non-finite input: the finishing
     # kernels of flashlab.nonfinite run with empty rows and bad columns
     q, k, v = (rng.standard_normal((2, 77, 64)).astype(np.float32)
                for _ in range(3))
     v[1, 3, 5] = np.nan
     opts = dict(kv_lengths=np.array([0, 60]), window=(9, 2), causal=True)
-    want = reference.attention(q, k, v, **opts)
-    for version in gpu.VERSIONS:
-        o = gpu.attention(q, k, v, version=version, **opts)
-        assert np.array_equal(np.isnan(o), np.isnan(want)), version
+    for name, dtype, kw, tol in forward_calls(64):
+        x = [a.astype(dtype) for a in (q, k, v)]
+        want = reference.attention(*(a.astype(np.float64) for a in x),
+                                   **opts)
+        o = gpu.attention(*x, **kw, **opts)
+        assert np.array_equal(np.isnan(o), np.isnan(want)), name
         ok = ~np.isnan(want)
-        assert np.max(np.abs(o[ok] - want[ok])) < 1e-4, version
+        assert np.max(np.abs(o[ok] - want[ok])) < tol, name
     print("masked, padded and non-finite cases ran")
 
 

@@ -68,8 +68,13 @@ SIM_CASES = [
 ]
 
 
+# the versions the simulator runs (v5, v6 are inline PTX: GPU only)
+SCALAR_VERSIONS = tuple(v for v in gpu.VERSIONS
+                        if v not in gpu.TENSOR_CORE_VERSIONS)
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
-@pytest.mark.parametrize("version", gpu.VERSIONS)
+@pytest.mark.parametrize("version", SCALAR_VERSIONS)
 @pytest.mark.parametrize("opts", SIM_CASES)
 def test_simulator_forward(rng, version, opts):
     nq, nk = (int(x) for x in rng.integers(1, 70, size=2))
@@ -109,8 +114,21 @@ def test_dropout_matches_the_cpu_path(rng):
 
 def test_bad_input():
     x = np.zeros((4, 16), np.float32)
-    with pytest.raises(TypeError, match="q: flashlab.gpu computes in"):
+    with pytest.raises(TypeError, match="q: expected a dtype in"):
         gpu.attention(x.astype(np.float64), x, x)
+    with pytest.raises(TypeError, match="k: expected dtype float16 to "):
+        gpu.attention(x.astype(np.float16), x, x)
+    with pytest.raises(ValueError, match="version: v3 does not take float16"):
+        gpu.attention(*(x.astype(np.float16),) * 3, version=3)
+    with pytest.raises(ValueError, match="version: v5 does not take float32"):
+        gpu.attention(x, x, x, version=5)
+    with pytest.raises(ValueError, match=r"q: v6 runs head dims \(64, 128\)"):
+        gpu.attention(x, x, x, version=6)
+    with pytest.raises(ValueError, match="precision: only v6"):
+        gpu.attention(x, x, x, precision="tf32")
+    y = np.zeros((4, 64), np.float32)
+    with pytest.raises(ValueError, match="precision: expected one of"):
+        gpu.attention(y, y, y, version=6, precision="fp8")
     with pytest.raises(ValueError, match="q: expected a head dim"):
         gpu.attention(x[:, :8], x[:, :8], x)
     with pytest.raises(ValueError, match="version"):
@@ -131,9 +149,11 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", gpu.VERSIONS)
+@pytest.mark.parametrize("version, d", [
+    (version, d) for version in gpu.FLOAT32_VERSIONS for d in (16, 64, 128)
+    if gpu.supports(f"forward_v{version}_3xtf32" if version == 6
+                    else f"forward_v{version}", d, d)])
 @pytest.mark.parametrize("opts", GPU_CASES)
-@pytest.mark.parametrize("d", [16, 64, 128])
 def test_gpu_forward_random_shapes(rng, version, opts, d):
     nq, nk = (int(x) for x in rng.integers(1, 700, size=2))
     q, k, v = qkv(rng, (2, 3), nq, nk, d, d, dtype=np.float32, spread=1.5)

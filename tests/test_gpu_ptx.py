@@ -44,6 +44,20 @@ def test_forward_kernels_use_fast_float32_exp(report):
             assert r["exp"] > 0, key
 
 
+def test_tensor_core_kernels_use_mma_in_registers(report):
+    # v5 and v6 multiply on the tensor cores, and their fragment arrays
+    # stay in registers: no local memory in the PTX (ptxas spills are
+    # measured on the GPU, test_gpu_tensor_cores)
+    tensor = {k: r for k, r in report.items()
+              if k.startswith(("forward_v5", "forward_v6"))}
+    assert len(tensor) == 4 * 2  # bf16, f16, 3xtf32, tf32 at d 64, 128
+    for key, r in tensor.items():
+        assert r["mma"] > 0 and r["local"] == 0, (key, r)
+    scalar = {k: r for k, r in report.items()
+              if k.startswith("forward_v3")}
+    assert all(r["mma"] == 0 for r in scalar.values())
+
+
 def test_the_check_can_see_float64(report):
     # the demo with a Python float literal must be caught, or the
     # zero counts above would prove nothing
@@ -54,7 +68,11 @@ def test_the_check_can_see_float64(report):
 def test_counters_on_known_text():
     text = ("\tadd.f64 \t%fd1, %fd2, %fd3;\n// add.f64 in a comment\n"
             ".shared .align 4 .b8 _smem[4096];\n"
-            "\tex2.approx.ftz.f32 %f1, %f2;")
+            "\tex2.approx.ftz.f32 %f1, %f2;\n"
+            ".local .align 16 .b8 __local_depot0[128];\n"
+            "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {};")
     assert ptx.float64_ops(text) == 1
     assert ptx.shared_bytes(text) == 4096
     assert ptx.fast_exps(text) == 1
+    assert ptx.local_bytes(text) == 128
+    assert ptx.tensor_ops(text) == 1

@@ -106,5 +106,5 @@ def test_bad_input():
     x = torch.zeros(4, 4)
     with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
         fl_torch.attention(np.zeros((4, 4)), x, x)
-    with pytest.raises(TypeError, match="k: expected float32 or float64"):
+    with pytest.raises(TypeError, match="k: expected a dtype in"):
         fl_torch.attention(x, x.half(), x)

@@ -1,12 +1,16 @@
 """Attention kernels for NVIDIA GPUs in numba.cuda: forward and backward.
 
-float32 storage and arithmetic, head dims 16-128 in multiples of 16, any
-N, and the mask, padding, window, dropout and non-finite semantics of
-`flashlab.tiled`. The package, in the order chapter 9 reads it:
+Any N and the mask, padding, window, dropout and non-finite semantics of
+`flashlab.tiled`. v1-v4 and the backward compute on the float32 units
+(head dims 16-128 in multiples of 16); v5 (bf16, float16) and v6
+(float32 by 3xTF32) on the tensor cores (head dims 64 and 128). The
+package, in the order chapters 9 and 10 read it:
 
 - `device`: tile layouts and the device functions every kernel shares;
 - `forward_v1` ... `forward_v4`: one module per forward version, each a
-  small change of the one before (the chapter shows them as diffs);
+  small change of the one before (chapter 9 shows them as diffs);
+- `intrinsics`, `warp`, `forward_v5`, `forward_v6`: mma.sync, ldmatrix
+  and cp.async from numba, and the warp-level kernels built on them;
 - `backward`: dK/dV and dQ kernels, deterministic, no atomics;
 - `build`: the kernel registry, compile cache and PTX without a GPU;
 - this module: the host entry points `attention` and
@@ -27,16 +31,28 @@ from flashlab.gpu import (
     forward_v2,
     forward_v3,
     forward_v4,
+    forward_v5,
+    forward_v6,
+    warp,
 )
 from flashlab.gpu.build import compile_ptx, kernel, kernel_names, supports
 
 __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
-           "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS"]
+           "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS",
+           "FLOAT32_VERSIONS", "HALF_VERSIONS", "TENSOR_CORE_VERSIONS",
+           "PRECISIONS"]
 
-FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4}
+FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
+            5: forward_v5, 6: forward_v6}
 VERSIONS = tuple(FORWARDS)
-DEFAULT_VERSION = 3  # the fastest on the H200 (flashlab/data/bench_h200)
+FLOAT32_VERSIONS = (1, 2, 3, 4, 6)  # take float32 inputs
+HALF_VERSIONS = (5,)  # take bf16 or float16 inputs
+TENSOR_CORE_VERSIONS = (5, 6)  # inline PTX: a GPU, never the simulator
+PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
+DEFAULT_VERSION = 3  # float32 on the simulator too (flashlab/data/bench_h200)
 ORDERS = ("fa2",)  # the loop order the forward kernels run
+# 16-bit storage: (exponent bits, a NaN's bits) per dtype name
+HALF_BITS = {"bfloat16": (0x7F80, 0x7FC0), "float16": (0x7C00, 0x7E00)}
 # Tests set this to fill every output with NaN before a kernel runs, so an
 # element a kernel fails to write cannot pass for a right answer.
 POISON_OUTPUTS = False
@@ -44,39 +60,47 @@ POISON_OUTPUTS = False
 
 def tile_shape(version, d, d_v):
     """(Br, Bc) of forward `version` for head dims d, d_v."""
-    return FORWARDS[_check_version(version)].shape(d, d_v)[:2]
+    if isinstance(version, bool) or version not in FORWARDS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got "
+                         f"{version!r}")
+    return FORWARDS[version].shape(d, d_v)[:2]
 
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              num_splits=1, version=DEFAULT_VERSION):
+              num_splits=1, version=None, precision=None):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
     place), numba device arrays, or numpy arrays (copied over and back);
-    the result is of the same kind. Each version fixes its tile sizes
+    the result is of the same kind and dtype, lse float32. version None
+    picks v5 for bf16/float16 and DEFAULT_VERSION for float32; precision
+    ("3xtf32" or "tf32") belongs to v6. Each version fixes its tile sizes
     (`tile_shape`): block_q and block_k may only restate them.
     """
-    version = _check_version(version)
     tiled.check_order(order, ORDERS)
     tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
-    d, d_v = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    version = _check_version(version, dtype)
+    name = _forward_name(version, dtype, precision, d, d_v)
     br, bc, threads = FORWARDS[version].shape(d, d_v)
     _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
     call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
                                window=window, kv_lengths=kv_lengths,
                                dropout_p=dropout_p, seed=seed))
-    o, o_k = call.empty((call.bh, call.nq, d_v))
+    o, o_k = call.empty((call.bh, call.nq, d_v), dtype)
     lse, lse_k = call.empty((call.bh, call.nq))
     vk = call.to_kernel(v, (call.bh, call.nk, d_v))
-    kernel(f"forward_v{version}", d, d_v)[
-        (math.ceil(call.nq / br), call.bh), threads, call.stream](
-        call.to_kernel(q, (call.bh, call.nq, d)),
-        call.to_kernel(k, (call.bh, call.nk, d)), vk, o_k, lse_k,
-        *call.args)
-    call.finish(o_k, lse_k, vk)
+    if call.bh and call.nq:
+        kernel(name, d, d_v)[
+            (math.ceil(call.nq / br), call.bh), threads, call.stream](
+            call.to_kernel(q, (call.bh, call.nq, d)),
+            call.to_kernel(k, (call.bh, call.nk, d)), vk,
+            o_k.view(np.int32) if dtype in HALF_BITS else o_k, lse_k,
+            *call.args)
+    call.finish(o_k, lse_k, vk, dtype)
     o = call.result(o, (*call.batch, call.nq, d_v))
     return ((o, call.result(lse, (*call.batch, call.nq))) if return_lse
             else o)
@@ -88,7 +112,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        order="fa2"):
     """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward."""
     tiled.check_order(order)  # one backward loop follows either forward
-    d, d_v = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    d, d_v, _ = _check_device_inputs((("q", q), ("k", k), ("v", v)),
+                                     dtypes=("float32",))
     blocked = max(d, d_v) <= backward.BLOCKED_MAX_DIM
     nt, rows = ((device.THREADS, backward.BLOCK_BWD) if blocked
                 else (backward.sizes(d, d_v)[0],) * 2)
@@ -122,11 +147,41 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
             call.result(dv, (*call.batch, nk, d_v)))
 
 
-def _check_version(version):
+def _check_version(version, dtype):
+    """The forward version for inputs of `dtype` (None: the default)."""
+    if version is None:
+        return HALF_VERSIONS[0] if dtype in HALF_BITS else DEFAULT_VERSION
     if isinstance(version, bool) or version not in FORWARDS:
-        raise ValueError(f"version: expected one of {VERSIONS}, got "
-                         f"{version!r}")
+        raise ValueError(f"version: expected one of {VERSIONS} or None, "
+                         f"got {version!r}")
+    takes = HALF_VERSIONS if dtype in HALF_BITS else FLOAT32_VERSIONS
+    if version not in takes:
+        raise ValueError(
+            f"version: v{version} does not take {dtype} inputs; versions "
+            f"{takes} do (or pass None)")
     return version
+
+
+def _forward_name(version, dtype, precision, d, d_v):
+    """The registry name of the forward kernel of one call."""
+    if version != 6 and precision is not None:
+        raise ValueError(f"precision: only v6 has a precision choice, got "
+                         f"{precision!r} for v{version}")
+    if version in TENSOR_CORE_VERSIONS:
+        for name, size in (("q", d), ("v", d_v)):
+            if size not in forward_v5.HEAD_DIMS:
+                raise ValueError(
+                    f"{name}: v{version} runs head dims "
+                    f"{forward_v5.HEAD_DIMS}, got {size}")
+    if version == 5:
+        return "forward_v5_" + ("bf16" if dtype == "bfloat16" else "f16")
+    if version == 6:
+        precision = PRECISIONS[0] if precision is None else precision
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, "
+                             f"got {precision!r}")
+        return "forward_v6_" + precision
+    return f"forward_v{version}"
 
 
 def _check_fixed_blocks(what, block_q, br, block_k, bc):
@@ -139,8 +194,9 @@ def _check_fixed_blocks(what, block_q, br, block_k, bc):
                 f"these head dims; pass None or {fixed}, got {given!r}")
 
 
-def _check_device_inputs(named):
-    """Arrays of float32 with head dims 16..128 in steps of 16: (d, d_v)."""
+def _check_device_inputs(named, dtypes=("float32", *HALF_BITS)):
+    """Arrays of one dtype with head dims 16..128 in steps of 16: (d, d_v,
+    dtype name)."""
     for name, x in named:
         if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):
             raise TypeError(
@@ -151,10 +207,13 @@ def _check_device_inputs(named):
             raise ValueError(
                 f"{name}: expected a CUDA tensor for flashlab.gpu, got one "
                 f"on {x.device}")
-        if str(x.dtype).removeprefix("torch.") != "float32":
-            raise TypeError(
-                f"{name}: flashlab.gpu computes in float32, got dtype "
-                f"{x.dtype}")
+        dtype = str(x.dtype).removeprefix("torch.")
+        if dtype not in dtypes:
+            raise TypeError(f"{name}: expected a dtype in {dtypes} for "
+                            f"flashlab.gpu, got {x.dtype}")
+        if dtype != str(named[0][1].dtype).removeprefix("torch."):
+            raise TypeError(f"{name}: expected dtype {named[0][1].dtype} "
+                            f"to match q, got {x.dtype}")
         if x.ndim < 2:
             raise ValueError(f"{name}: expected at least 2 dims (..., N, "
                              f"d), got shape {tuple(x.shape)}")
@@ -164,15 +223,17 @@ def _check_device_inputs(named):
             raise ValueError(
                 f"{name}: expected a head dim in 16, 32, ..., 128 for "
                 f"flashlab.gpu, got {size}")
-    return d, d_v
+    return d, d_v, dtype
 
 
 class _Call:
     """One call's arrays of one kind (numpy, numba device, torch)."""
 
     def __init__(self, q, k, v, options):
+        # the kernels compute in float32 whatever they store: rules too
         _, _, _, self.batch, plan, a = kernel_args.flatten(
-            *(kernel_args.proxy(x) for x in (q, k, v)), options)
+            *(kernel_args.proxy(x, np.float32) for x in (q, k, v)),
+            options)
         self.bh = int(np.prod(self.batch))
         self.nq, self.nk = plan.nq, plan.nk
         self.empty_rows = plan.empty_rows(self.batch)
@@ -192,32 +253,48 @@ class _Call:
                                 a.rules.use_mask))
 
     def to_kernel(self, x, shape):
-        """A device view (or copy, for numpy) of x with the given shape."""
+        """A device view (or copy, for numpy) of x with the given shape;
+        16-bit values as their int16 bits, 16-byte aligned for cp.async."""
         from numba import cuda
 
-        if self.torch:
-            return cuda.as_cuda_array(x.detach().contiguous().view(shape),
-                                      sync=False)
-        if self.numpy:
-            return cuda.to_device(np.ascontiguousarray(x).reshape(shape))
-        return x.reshape(shape)
-
-    def empty(self, shape):
-        """An uninitialized float32 output and its device view."""
-        from numba import cuda
-
+        half = str(x.dtype).removeprefix("torch.") in HALF_BITS
         if self.torch:
             import torch
 
-            out = torch.empty(shape, dtype=torch.float32,
+            x = x.detach().contiguous().view(shape)
+            if half:
+                x = x.view(torch.int16)
+                if x.data_ptr() % 16:  # an offset view: copy it aligned
+                    x = x.clone()
+            return cuda.as_cuda_array(x, sync=False)
+        if self.numpy:
+            x = np.ascontiguousarray(x).reshape(shape)
+            return cuda.to_device(x.view(np.int16) if half else x)
+        x = x.reshape(shape)
+        return x.view(np.int16) if half else x
+
+    def empty(self, shape, dtype="float32"):
+        """An uninitialized output of `dtype` and its device view (int16
+        bits for a 16-bit dtype)."""
+        from numba import cuda
+
+        half = dtype in HALF_BITS
+        nan_bits = HALF_BITS[dtype][1] if half else 0
+        if self.torch:
+            import torch
+
+            out = torch.empty(shape, dtype=getattr(torch, dtype),
                               device=self.device)
             if POISON_OUTPUTS:
                 out.fill_(float("nan"))
-            return out, cuda.as_cuda_array(out, sync=False)
+            view = out.view(torch.int16) if half else out
+            return out, cuda.as_cuda_array(view, sync=False)
+        kind = np.int16 if half else np.float32
         if POISON_OUTPUTS:
-            dev = cuda.to_device(np.full(shape, np.nan, dtype=np.float32))
+            fill = np.int16(nan_bits) if half else np.float32(np.nan)
+            dev = cuda.to_device(np.full(shape, fill, dtype=kind))
         else:
-            dev = cuda.device_array(shape, dtype=np.float32)
+            dev = cuda.device_array(shape, dtype=kind)
         return dev, dev
 
     def zeros_bool(self, shape):
@@ -232,29 +309,43 @@ class _Call:
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
-    def finish(self, o_k, lse_k, v_k):
+    def finish(self, o_k, lse_k, v_k, dtype="float32"):
         """Apply flashlab.nonfinite's rule to the forward's output."""
         from numba import cuda
 
         nk, d_v = v_k.shape[1:]
+        if not (self.bh and self.nq):
+            return
         bad = self.zeros_bool((self.bh, d_v))
-        device.find_bad_columns[
-            (math.ceil(nk * d_v / device.THREADS), self.bh), device.THREADS,
-            self.stream](v_k, bad)
         empty = self.empty_rows.reshape(self.bh, self.nq)
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty
             empty_k = cuda.to_device(np.ascontiguousarray(empty))
-        device.finish_rows[(math.ceil(self.nq / device.THREADS), self.bh),
-                           device.THREADS, self.stream](o_k, lse_k, bad,
-                                                        empty_k)
+        t, st = device.THREADS, self.stream
+        cols = (math.ceil(nk * d_v / t), self.bh)
+        rows = (math.ceil(self.nq / t), self.bh)
+        if dtype in HALF_BITS:
+            exponent, nan_bits = HALF_BITS[dtype]
+            if nk:
+                warp.find_bad_columns16[cols, t, st](v_k, bad, exponent)
+            warp.finish_rows16[rows, t, st](o_k, lse_k, bad, empty_k,
+                                            np.int16(nan_bits))
+            return
+        if nk:
+            device.find_bad_columns[cols, t, st](v_k, bad)
+        device.finish_rows[rows, t, st](o_k, lse_k, bad, empty_k)
 
     def result(self, out, shape):
         """The output in the caller's kind, with the caller's shape."""
         if self.torch:
             return out.view(shape)
         if self.numpy:
-            return out.copy_to_host().reshape(shape)
+            host = out.copy_to_host()
+            if host.dtype == np.int16:
+                host = host.view(np.float16)
+            return host.reshape(shape)
+        if out.dtype == np.int16:
+            out = out.view(np.float16)
         return out.reshape(shape)
 
 

@@ -7,6 +7,7 @@ for a compute capability on a machine with no GPU. See chapter 9.
 """
 
 import contextlib
+import functools
 
 from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before compiling)
@@ -15,6 +16,8 @@ from flashlab.gpu import (
     forward_v2,
     forward_v3,
     forward_v4,
+    forward_v5,
+    forward_v6,
 )
 
 FACTORIES = {
@@ -22,6 +25,12 @@ FACTORIES = {
     "forward_v2": forward_v2.make,
     "forward_v3": forward_v3.make,
     "forward_v4": forward_v4.make,
+    "forward_v5_bf16": functools.partial(forward_v5.make, kind="bf16"),
+    "forward_v5_f16": functools.partial(forward_v5.make, kind="f16"),
+    "forward_v6_3xtf32": functools.partial(forward_v6.make,
+                                           precision="3xtf32"),
+    "forward_v6_tf32": functools.partial(forward_v6.make,
+                                         precision="tf32"),
     "backward_kv": backward.make_kv,
     "backward_q": backward.make_q,
     "backward_kv_blocked": backward.make_kv_blocked,
@@ -45,13 +54,15 @@ def kernel_names():
 
 def supports(name, d, d_v):
     """Whether kernel `name` is built for head dims d, d_v."""
+    if name.startswith(("forward_v5", "forward_v6")):
+        return d in forward_v5.HEAD_DIMS and d_v in forward_v5.HEAD_DIMS
     return (not name.endswith("_blocked")
             or max(d, d_v) <= backward.BLOCKED_MAX_DIM)
 
 
 def signature(name):
     """Argument types of a kernel, for compiling without a GPU."""
-    from numba import float32, int64, typeof, uint8, uint64
+    from numba import float32, int16, int32, int64, typeof, uint8, uint64
 
     from flashlab.kernel_args import KernelRules
 
@@ -64,6 +75,8 @@ def signature(name):
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3),
     }.get(name.removesuffix("_blocked"), (a3, a3, a3, a3, a2))
+    if name.startswith("forward_v5"):  # 16-bit bits in, pairs out
+        arrays = (*(int16[:, :, ::1],) * 3, int32[:, :, ::1], a2)
     return (*arrays, rules, int64[::1], uint8[:, :, ::1])
 
 

@@ -31,6 +31,14 @@ _pair_allowed = cuda.jit(device=True)(masks.pair_allowed)
 _keep_bits = cuda.jit(device=True)(dropout.keep_bits)
 
 
+def inline(fn):
+    """A device function inlined into its callers, so that the register
+    arrays it indexes stay registers (the simulator has no such option)."""
+    if config.ENABLE_CUDASIM:
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
 def jit(max_registers):
     """cuda.jit capped at max_registers per thread (the simulator has no
     registers, and no such option, so it gets plain cuda.jit)."""
@@ -266,4 +274,4 @@ def finish_rows(o, lse, bad, empty):
     b = cuda.blockIdx.y
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < o.shape[1]:
-        finish_row(o, lse, bad, empty, b, i, NAN, NEG_INF)
+        finish_row(o, lse, bad, empty, b, i, NAN, NAN, NEG_INF)

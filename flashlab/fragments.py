@@ -1,0 +1,171 @@
+"""A numpy model of the tensor-core fragments the GPU kernels use.
+
+A warp's mma.sync spreads each operand over its 32 lanes: every lane
+holds a few registers, each register one float32 or a pair of 16-bit
+values, at places fixed by the PTX ISA. This module writes those places
+down once (`a_places`, `b_places`, `c_places`), and models ldmatrix, the
+mma itself, the shared-memory swizzle and the tf32 split, so that CI,
+which has no GPU, checks the layouts the kernels in `flashlab.gpu` rely
+on: fragments in, modelled mma, fragments out must be the matrix product.
+Lane = 4 g + t throughout. See chapter 10.
+"""
+
+import numpy as np
+
+LANES = np.arange(32)
+G, T = LANES // 4, LANES % 4
+
+
+def a_places(k=16):
+    """(32, 4, k // 8, 2) row and column of every element of the A fragment.
+
+    k = 16 (bf16, f16): register r of a lane holds a pair, [..., h, :] is
+    half h of it. k = 8 (tf32): one element per register (h = 0 only).
+    """
+    if k == 16:
+        rows = np.stack([G, G + 8, G, G + 8], 1)
+        cols = np.stack([2 * T, 2 * T, 2 * T + 8, 2 * T + 8], 1)
+        halves = np.arange(2)
+        return np.stack(np.broadcast_arrays(
+            rows[..., None], cols[..., None] + halves), -1)
+    rows = np.stack([G, G + 8, G, G + 8], 1)[..., None]
+    cols = np.stack([T, T, T + 4, T + 4], 1)[..., None]
+    return np.stack(np.broadcast_arrays(rows, cols), -1)
+
+
+def b_places(k=16):
+    """(32, 2, k // 8, 2) (k, n) place of every element of the B fragment."""
+    if k == 16:
+        ks = np.stack([2 * T, 2 * T + 8], 1)[..., None] + np.arange(2)
+    else:
+        ks = np.stack([T, T + 4], 1)[..., None]
+    return np.stack(np.broadcast_arrays(ks, G[:, None, None]), -1)
+
+
+def c_places():
+    """(32, 4, 2) row and column of each float32 of the C/D fragment."""
+    rows = np.stack([G, G, G + 8, G + 8], 1)
+    cols = np.stack([2 * T, 2 * T + 1, 2 * T, 2 * T + 1], 1)
+    return np.stack([rows, cols], -1)
+
+
+def gather(matrix, places):
+    """The fragment of `matrix` at `places` (one value per place)."""
+    return matrix[places[..., 0], places[..., 1]]
+
+
+def scatter(fragment, places, shape):
+    """The matrix whose fragment at `places` is `fragment` (inverse)."""
+    out = np.full(shape, np.nan)
+    out[places[..., 0], places[..., 1]] = fragment
+    if np.isnan(out).any():
+        raise ValueError("places: the fragment does not cover the matrix")
+    return out
+
+
+def mma(a, b, c, k=16):
+    """Model of mma.sync m16n8k<k>: D fragment from A, B, C fragments.
+
+    Computed in float64: the unit's products of bf16/f16/tf32 values are
+    exact and its float32 sums are what the kernels' error budgets allow
+    for.
+    """
+    a_m = scatter(a, a_places(k), (16, k))
+    b_m = scatter(b, b_places(k), (k, 8))
+    c_m = scatter(c, c_places(), (16, 8))
+    return gather(a_m @ b_m + c_m, c_places())
+
+
+def ldmatrix(shared, addresses, trans=False):
+    """Model of ldmatrix.x4: (32, 4, 2) values the lanes receive.
+
+    shared: 1-D array of 16-bit values; addresses: (32,) element index of
+    the row that lane gives (lanes 8i..8i+7: rows 0..7 of matrix i).
+    """
+    rows = shared[addresses[:, None] + np.arange(8)]  # (32, 8)
+    mats = rows.reshape(4, 8, 8)  # matrix i, row, column
+    if trans:
+        mats = mats.transpose(0, 2, 1)
+    pairs = 2 * T[:, None] + np.arange(2)  # (32, 2)
+    return mats[:, G[:, None], pairs].transpose(1, 0, 2)
+
+
+def ldmatrix_a(lane, ks):
+    """(row, chunk) whose address lane gives ldmatrix for A's k-step ks.
+
+    Matrices 0-3 of ldmatrix_x4 are rows 0-7 / 8-15 of chunk 2 ks, then of
+    chunk 2 ks + 1 (chunks of 8 columns): a0..a3 of a 16x16 A tile.
+    """
+    return lane % 16, 2 * ks + lane // 16
+
+
+def ldmatrix_b(lane, pair, ks):
+    """(row, chunk) for K^T's B fragments of n-tiles 2 pair, 2 pair + 1.
+
+    K is stored row-major (a key per row), which is B = K^T column-major:
+    matrices keys +0..7 x chunk 2 ks, keys +0..7 x chunk 2 ks + 1 (b0, b1
+    of n-tile 2 pair), then keys +8..15 likewise (n-tile 2 pair + 1).
+    """
+    return 16 * pair + lane % 8 + 8 * (lane // 16), 2 * ks + lane // 8 % 2
+
+
+def ldmatrix_b_trans(lane, kp, pair):
+    """(row, chunk) for V's B fragments of n-tiles 2 pair, 2 pair + 1 at
+    k-step kp (keys 16 kp..), read with ldmatrix_x4_trans.
+
+    V is row-major (a key per row) and B = V needs pairs along k, so the
+    matrices are transposed: keys +0..7 then +8..15 of chunk 2 pair (b0,
+    b1 of n-tile 2 pair), then the same of chunk 2 pair + 1.
+    """
+    return 16 * kp + lane % 8 + 8 * (lane // 8 % 2), 2 * pair + lane // 16
+
+
+def a_from_c(r):
+    """(n-tile, element) of S's C fragments that A register r packs.
+
+    P V takes P (16 x 16 keys) as its A operand. The C fragments of S's
+    n-tiles 2 kp and 2 kp + 1 hold exactly A's pairs: register r is the
+    pair (elements e, e + 1) of n-tile 2 kp + tile.
+    """
+    return r // 2, 2 * (r % 2)
+
+
+def swizzle(row, chunk):
+    """Stored place of 16-byte chunk `chunk` of tile row `row`.
+
+    A tile row of 64 or 128 16-bit values is 8 or 16 chunks. ldmatrix reads
+    one chunk from each of 8 rows at once; stored unswizzled those 8
+    chunks sit in the same 4 of the 32 banks (an 8-way conflict). XOR with
+    the row's low 3 bits spreads them over all 32. Chunks per row must be
+    a multiple of 8.
+    """
+    return chunk ^ (row & 7)
+
+
+def banks(byte_addresses):
+    """The 4-byte bank (0..31) of each byte address in shared memory."""
+    return (np.asarray(byte_addresses) // 4) % 32
+
+
+def to_tf32(x):
+    """Model of cvt.rna.tf32.f32: float32 x to 10 mantissa bits, ties
+    away from zero; inf and nan unchanged."""
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    out = rounded.view(np.float32)
+    return np.where(np.isfinite(x), out, x).astype(np.float32)
+
+
+def split_tf32(x):
+    """(hi, lo): x = hi + lo + O(2**-22 |x|), both tf32 (3xTF32)."""
+    x = np.asarray(x, dtype=np.float32)
+    hi = to_tf32(x)
+    return hi, to_tf32(x - hi)
+
+
+def to_bf16(x):
+    """float32 x rounded to bf16 (nearest even), returned as float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)

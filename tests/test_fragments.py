@@ -1,0 +1,185 @@
+"""The fragment layouts and addresses the tensor-core kernels rely on.
+
+CI has no GPU and the simulator cannot run inline PTX, so what v5 and v6
+assume about mma.sync, ldmatrix and shared-memory banks is checked here
+on flashlab.fragments' numpy model, with the index functions the kernels
+themselves call (fragments.ldmatrix_a, ..., swizzle, forward_v6.strides).
+"""
+
+import numpy as np
+import pytest
+
+from flashlab import fragments as fr
+from flashlab.gpu import forward_v6
+
+LANE = np.arange(32)
+
+
+@pytest.mark.parametrize("k", [16, 8])
+def test_places_cover_each_operand_once(k):
+    for places, shape in ((fr.a_places(k), (16, k)),
+                          (fr.b_places(k), (k, 8)),
+                          (fr.c_places(), (16, 8))):
+        flat = places.reshape(-1, 2)
+        assert len({tuple(p) for p in flat}) == flat.shape[0] == np.prod(
+            shape)
+        assert flat.min() == 0 and tuple(flat.max(0) + 1) == shape
+
+
+@pytest.mark.parametrize("k", [16, 8])
+def test_mma_model_is_the_matrix_product(rng, k):
+    a, b, c = (rng.standard_normal(s) for s in ((16, k), (k, 8), (16, 8)))
+    d = fr.mma(fr.gather(a, fr.a_places(k)), fr.gather(b, fr.b_places(k)),
+               fr.gather(c, fr.c_places()), k)
+    assert np.allclose(fr.scatter(d, fr.c_places(), (16, 8)), a @ b + c,
+                       rtol=0, atol=1e-12)  # float64 sums of 16 terms
+
+
+def test_a_wrong_layout_is_caught(rng):
+    # the check above must be able to fail: B's two registers swapped
+    a, b = rng.standard_normal((16, 16)), rng.standard_normal((16, 8))
+    d = fr.mma(fr.gather(a, fr.a_places()),
+               fr.gather(b, fr.b_places()[:, ::-1]), np.zeros((32, 4)))
+    assert not np.allclose(fr.scatter(d, fr.c_places(), (16, 8)), a @ b)
+
+
+def _tile(rows, cols):
+    """A tile of distinct values and its swizzled SRAM image (v5)."""
+    tile = np.arange(rows * cols).reshape(rows, cols)
+    per_row = cols // 8
+    sram = np.empty(rows * cols, tile.dtype)
+    for r in range(rows):
+        for c in range(per_row):
+            at = (r * per_row + fr.swizzle(r, c)) * 8
+            sram[at:at + 8] = tile[r, 8 * c:8 * c + 8]
+    return tile, sram
+
+
+def _address(rows_chunks, cols):
+    """Element index in swizzled SRAM of each lane's (row, chunk)."""
+    r, c = rows_chunks
+    return (r * (cols // 8) + fr.swizzle(r, c)) * 8
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ldmatrix_gives_q_its_a_fragments(d):
+    tile, sram = _tile(64, d)
+    for warp in range(4):
+        for ks in range(d // 16):
+            r, c = fr.ldmatrix_a(LANE, ks)
+            got = fr.ldmatrix(sram, _address((r + 16 * warp, c), d))
+            want = fr.gather(tile[16 * warp:16 * warp + 16,
+                                  16 * ks:16 * ks + 16], fr.a_places())
+            assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_ldmatrix_gives_k_transposed_its_b_fragments(d):
+    tile, sram = _tile(64, d)  # K_j: 64 keys x d
+    for ks in range(d // 16):
+        for pair in range(4):
+            got = fr.ldmatrix(sram, _address(fr.ldmatrix_b(LANE, pair, ks),
+                                             d))
+            for y in range(2):  # n-tiles 2 pair, 2 pair + 1
+                keys = slice(16 * pair + 8 * y, 16 * pair + 8 * y + 8)
+                b = tile[keys, 16 * ks:16 * ks + 16].T  # B = K^T (k x n)
+                assert np.array_equal(got[:, 2 * y:2 * y + 2],
+                                      fr.gather(b, fr.b_places()))
+
+
+@pytest.mark.parametrize("d_v", [64, 128])
+def test_ldmatrix_trans_gives_v_its_b_fragments(d_v):
+    tile, sram = _tile(64, d_v)  # V_j: 64 keys x d_v
+    for kp in range(4):
+        for pair in range(d_v // 16):
+            got = fr.ldmatrix(sram, _address(
+                fr.ldmatrix_b_trans(LANE, kp, pair), d_v), trans=True)
+            for y in range(2):
+                cols = slice(16 * pair + 8 * y, 16 * pair + 8 * y + 8)
+                b = tile[16 * kp:16 * kp + 16, cols]  # B = V (k x n)
+                assert np.array_equal(got[:, 2 * y:2 * y + 2],
+                                      fr.gather(b, fr.b_places()))
+
+
+def test_s_fragments_are_p_v_a_fragments(rng):
+    # v5 packs P's A fragment from S's C fragments with no shuffle
+    s = rng.standard_normal((16, 16))
+    c = [fr.gather(s[:, 8 * n:8 * n + 8], fr.c_places()) for n in (0, 1)]
+    packed = np.empty((32, 4, 2))
+    for r in range(4):
+        n, e = fr.a_from_c(r)
+        packed[:, r] = c[n][:, e:e + 2]
+    assert np.array_equal(packed, fr.gather(s, fr.a_places()))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_swizzled_ldmatrix_reads_are_free_of_bank_conflicts(d):
+    # ldmatrix serves 8 lanes (one matrix) per phase: 8 rows of 16 bytes
+    # must fall in 8 different 4-bank groups
+    def conflicts(addresses):
+        out = 0
+        for phase in range(4):
+            banks = fr.banks(2 * addresses[8 * phase:8 * phase + 8])
+            out += 8 - len(set(banks // 4))
+        return out
+
+    for ks in range(d // 16):
+        assert conflicts(_address(fr.ldmatrix_a(LANE, ks), d)) == 0
+        assert conflicts(_address(fr.ldmatrix_b(LANE, 1, ks), d)) == 0
+        assert conflicts(_address(fr.ldmatrix_b_trans(LANE, 1, ks), d)) == 0
+    # and without the swizzle the same reads conflict 8 ways
+    r, c = fr.ldmatrix_a(LANE, 0)
+    plain = (r * (d // 8) + c) * 8
+    assert conflicts(plain) == 4 * 7
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v6_fragment_reads_hit_32_banks(d):
+    g, t = fr.G, fr.T
+    sk, sv, sp = forward_v6.strides(d, d)
+    reads = {"K row g, col t": g * sk + t, "K col t+4": g * sk + t + 4,
+             "V row t, col g": t * sv + g, "V row t+4": (t + 4) * sv + g,
+             "P row g, col t": g * sp + t, "P row g+8": (g + 8) * sp + t}
+    for name, words in reads.items():
+        assert len(set(fr.banks(4 * words))) == 32, name
+
+
+def test_v6_p_v_uses_the_a_and_b_layouts(rng):
+    # v6 reads P (16 x 8 keys) as A with fragments (g, t), (g+8, t), (g,
+    # t+4), (g+8, t+4) and V's rows t, t + 4 as B: the product P V
+    p, v = rng.random((16, 8)), rng.standard_normal((8, 8))
+    g, t = fr.G, fr.T
+    a = np.stack([p[g, t], p[g + 8, t], p[g, t + 4], p[g + 8, t + 4]], 1)
+    b = np.stack([v[t, g], v[t + 4, g]], 1)
+    d = fr.mma(a[..., None], b[..., None], np.zeros((32, 4)), k=8)
+    assert np.allclose(fr.scatter(d, fr.c_places(), (16, 8)), p @ v,
+                       rtol=0, atol=1e-12)
+
+
+def test_tf32_rounding_model(rng):
+    x = rng.standard_normal(10000).astype(np.float32) * 1e3
+    hi, lo = fr.split_tf32(x)
+    assert np.all(hi.view(np.uint32) & 0x1FFF == 0)  # 10 mantissa bits
+    assert np.all(np.abs(x - hi) <= np.abs(x) * 2.0**-11)  # nearest
+    assert np.all(np.abs(x - hi - lo) <= np.abs(x) * 2.0**-21)
+    # ties go away from zero: 1 + 2**-11 is halfway between tf32 values
+    tie = np.float32(1 + 2.0**-11)
+    assert fr.to_tf32(tie) == np.float32(1 + 2.0**-10)
+    assert fr.to_tf32(-tie) == -np.float32(1 + 2.0**-10)
+    assert np.isnan(fr.to_tf32(np.float32(np.nan)))
+    assert fr.to_tf32(np.float32(-np.inf)) == -np.inf
+
+
+def test_3xtf32_product_error_is_float32_like(rng):
+    # the error model behind v6: three tf32 products recover float32
+    a = rng.standard_normal((64, 256)).astype(np.float32)
+    b = rng.standard_normal((256, 64)).astype(np.float32)
+    exact = a.astype(np.float64) @ b
+    (ah, al), (bh, bl) = fr.split_tf32(a), fr.split_tf32(b)
+    f64 = np.float64
+    three = ah.astype(f64) @ bh + ah.astype(f64) @ bl + al.astype(f64) @ bh
+    one = ah.astype(f64) @ bh
+    scale = np.abs(a).astype(f64) @ np.abs(b)
+    eps = float(np.finfo(np.float32).eps)
+    assert np.max(np.abs(three - exact) / scale) < 2 * eps
+    assert np.max(np.abs(one - exact) / scale) > 100 * eps

@@ -1,0 +1,149 @@
+"""Forward v5 (bf16, float16) and v6 (3xTF32, tf32) on a real GPU.
+
+Inline PTX does not run on the simulator, so these tests need -m gpu; CI
+checks the same kernels' PTX (test_gpu_ptx) and their fragment layouts
+(test_fragments). Outputs are poisoned with NaN before every launch.
+
+Error budgets. v5 stores P and O in 16 bits (unit roundoff u = 2**-8 for
+bf16, 2**-11 for float16, round to nearest: half of that): P V's terms
+each carry a relative u/2, so |dO| <= u/2 max|V|, and the output's own
+rounding adds u/2 |O|; twice that sum is allowed, against float64 on the
+same 16-bit inputs. v6 at 3xTF32 gets naive float32's budget
+(test_gpu.check_forward); at tf32, q, k, P and V each lose 2**-11.
+"""
+
+import numpy as np
+import pytest
+from test_gpu import check_forward
+
+from flashlab import gpu, reference
+from helpers import max_abs_err, qkv
+
+pytestmark = pytest.mark.gpu
+
+UNIT = {np.float16: 2.0**-11, "bfloat16": 2.0**-8}
+CASES = [
+    dict(),
+    dict(causal=True),
+    dict(causal="bottom_right"),
+    dict(window=(100, 20)),
+    dict(window=(70, 0), causal=True),
+    dict(dropout_p=0.2, seed=9),
+]
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def half_budget(o_ref, v, u):
+    """2 (u/2 max|V| + u/2 max|O|): P's and O's 16-bit rounding."""
+    return u * (float(np.abs(v).max()) + float(np.abs(o_ref).max()))
+
+
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
+def test_v5_float16_against_float64(rng, opts, d, d_v):
+    nq, nk = (int(x) for x in rng.integers(1, 600, size=2))
+    q, k, v = qkv(rng, (2, 3), nq, nk, d, d_v, dtype=np.float16)
+    o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    o_ref, lse_ref = reference.attention(*wide, return_lse=True, **opts)
+    assert o.dtype == np.float16 and lse.dtype == np.float32
+    assert not np.isnan(o).any()
+    assert max_abs_err(o, o_ref) <= half_budget(o_ref, v, UNIT[np.float16])
+    # lse: float32 sums of Nk terms, exp2 to 2 ulps
+    assert max_abs_err(lse, lse_ref) <= 1e-5 * (nk + np.abs(lse_ref).max())
+
+
+@pytest.mark.parametrize("opts", CASES[:3])
+@pytest.mark.parametrize("d", [64, 128])
+def test_v5_bf16_torch_tensors(rng, opts, d):
+    import torch
+
+    nq, nk = (int(x) for x in rng.integers(1, 1100, size=2))
+    q, k, v = (torch.tensor(x, device="cuda").bfloat16()
+               for x in qkv(rng, (2, 2), nq, nk, d, d, np.float32))
+    o = gpu.attention(q, k, v, **opts)
+    assert o.dtype == torch.bfloat16 and o.shape == (2, 2, nq, d)
+    wide = [x.double().cpu().numpy() for x in (q, k, v)]
+    o_ref = reference.attention(*wide, **opts)
+    got = o.double().cpu().numpy()
+    assert max_abs_err(got, o_ref) <= half_budget(o_ref, wide[2],
+                                                  UNIT["bfloat16"])
+
+
+def test_v5_masks_padding_and_nonfinite(rng):
+    q, k, v = qkv(rng, (2, 1), 130, 200, 64, 64, dtype=np.float16)
+    mask = rng.random((2, 1, 130, 200)) < 0.6
+    mask[0, 0, 7] = False  # an empty row: 0 and lse -inf
+    v[1, 0, 150, 3] = np.inf  # a bad value in V: column 3 NaN
+    opts = dict(mask=mask, kv_lengths=np.array([[200], [170]]))
+    o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    o_ref, lse_ref = reference.attention(*wide, return_lse=True, **opts)
+    assert np.all(o[0, 0, 7] == 0) and lse[0, 0, 7] == -np.inf
+    assert np.array_equal(np.isnan(o), np.isnan(o_ref))
+    assert np.isnan(o[1, 0, :, 3]).all()
+    ok = ~np.isnan(o_ref)
+    assert max_abs_err(o[ok], o_ref[ok]) <= half_budget(
+        o_ref[ok], v[0], UNIT[np.float16])
+    q[0, 0, 5, 0] = np.nan  # NaN in q: that row only
+    o = gpu.attention(q, k, v)
+    assert np.isnan(o[0, 0, 5]).all() and not np.isnan(o[0, 0, 6]).any()
+
+
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_v6_3xtf32_float32_budget(rng, opts, d):
+    nq, nk = (int(x) for x in rng.integers(1, 700, size=2))
+    q, k, v = qkv(rng, (2, 3), nq, nk, d, d, dtype=np.float32, spread=1.5)
+    check_forward(q, k, v, 6, **opts)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v6_tf32_is_tf32_accurate_and_3xtf32_better(rng, d):
+    q, k, v = qkv(rng, (2, 2), 500, 700, d, d, dtype=np.float32)
+    o_ref = reference.attention(*(x.astype(np.float64) for x in (q, k, v)))
+    err_one = max_abs_err(gpu.attention(q, k, v, version=6,
+                                        precision="tf32"), o_ref)
+    err_three = max_abs_err(gpu.attention(q, k, v, version=6), o_ref)
+    # scores lose 2 * 2**-11 of sum |q||k| / sqrt(d); P V another 2**-10
+    s_abs = np.abs(q) @ np.abs(np.swapaxes(k, -1, -2)) / np.sqrt(d)
+    bound = 2.0**-10 * (s_abs.max() + 1) * np.abs(v).max()
+    assert err_one <= bound
+    assert err_three * 20 < err_one  # the split buys ~3 decimal digits
+
+
+def test_torch_bf16_forward_and_backward(rng):
+    import torch
+    import torch.nn.functional as F
+
+    from flashlab import torch as fl_torch
+
+    q, k, v = (torch.tensor(x, device="cuda").bfloat16().requires_grad_()
+               for x in qkv(rng, (2, 4), 300, 300, 64, 64, np.float32))
+    do = torch.randn(2, 4, 300, 64, device="cuda").bfloat16()
+    out = fl_torch.attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    wide = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*wide, is_causal=True)
+    ref_grads = torch.autograd.grad(ref, wide, do.double())
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    sdpa_grads = torch.autograd.grad(sdpa, (q, k, v), do)
+    for mine, theirs, truth in zip((out, *grads), (sdpa, *sdpa_grads),
+                                   (ref, *ref_grads)):
+        assert mine.dtype == torch.bfloat16
+        e_mine = float((mine.double() - truth).abs().max())
+        e_torch = float((theirs.double() - truth).abs().max())
+        # torch's bf16 kernels set the scale of a fair error
+        assert e_mine <= 2 * e_torch + 2.0**-8 * float(truth.abs().max())
+
+
+def test_compiled_kernels_do_not_spill():
+    from flashlab import ptx
+
+    for key, r in ptx.resources(((64, 64), (128, 128))).items():
+        if key.startswith(("forward_v5", "forward_v6")):
+            assert r["local"] == 0, (key, r)
