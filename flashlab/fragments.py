@@ -120,6 +120,34 @@ def ldmatrix_b_trans(lane, kp, pair):
     return 16 * kp + lane % 8 + 8 * (lane // 8 % 2), 2 * pair + lane // 16
 
 
+def swizzled_offset(row, chunk, per_row):
+    """Byte offset of 16-byte chunk `chunk` of `row` in a swizzled tile of
+    per_row chunks per row (`swizzle`, written out so kernels compile it
+    alone)."""
+    return (row * per_row + (chunk ^ (row & 7))) * 16
+
+
+def ldmatrix_b_offset(lane, pair, ks, per_row):
+    """swizzled_offset of ldmatrix_b(lane, pair, ks), as the kernel
+    computes it in its inner loop.
+
+    Every row this lane gives has row % 8 = lane % 8, so the swizzle is
+    one XOR per k-step and a pair of n-tiles a fixed stride of 16 rows:
+    the compiler keeps the lane's part out of the loop over tiles.
+    """
+    row = lane % 8 + 8 * (lane // 16)
+    chunk = (2 * ks + lane // 8 % 2) ^ (lane % 8)
+    return (row * per_row + chunk) * 16 + pair * (16 * per_row * 16)
+
+
+def ldmatrix_b_trans_offset(lane, kp, pair, per_row):
+    """swizzled_offset of ldmatrix_b_trans(lane, kp, pair), kernel form:
+    a k-step is a fixed stride of 16 rows, the swizzle one XOR."""
+    row = lane % 8 + 8 * (lane // 8 % 2)
+    chunk = (2 * pair + lane // 16) ^ (lane % 8)
+    return (row * per_row + chunk) * 16 + kp * (16 * per_row * 16)
+
+
 def a_from_c(r):
     """(n-tile, element) of S's C fragments that A register r packs.
 

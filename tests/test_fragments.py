@@ -183,3 +183,19 @@ def test_3xtf32_product_error_is_float32_like(rng):
     eps = float(np.finfo(np.float32).eps)
     assert np.max(np.abs(three - exact) / scale) < 2 * eps
     assert np.max(np.abs(one - exact) / scale) > 100 * eps
+
+
+@pytest.mark.parametrize("per_row", [8, 16])
+def test_kernel_offsets_are_the_model_addresses(per_row):
+    # v5's inner loops compute ldmatrix addresses in a hoisted form; it
+    # must equal the swizzled place of the (row, chunk) the model reads
+    for ks in range(per_row // 2):
+        for pair in range(4):
+            want = fr.swizzled_offset(*fr.ldmatrix_b(LANE, pair, ks),
+                                      per_row)
+            got = fr.ldmatrix_b_offset(LANE, pair, ks, per_row)
+            assert np.array_equal(got, want)
+            want = fr.swizzled_offset(*fr.ldmatrix_b_trans(LANE, pair, ks),
+                                      per_row)
+            got = fr.ldmatrix_b_trans_offset(LANE, pair, ks, per_row)
+            assert np.array_equal(got, want)

@@ -9,7 +9,7 @@ bf16, 2**-11 for float16, round to nearest: half of that): P V's terms
 each carry a relative u/2, so |dO| <= u/2 max|V|, and the output's own
 rounding adds u/2 |O|; twice that sum is allowed, against float64 on the
 same 16-bit inputs. v6 at 3xTF32 gets naive float32's budget
-(test_gpu.check_forward); at tf32, q, k, P and V each lose 2**-11.
+(test_gpu.check_forward); at tf32, q, k, P and V each lose 2**-10.
 """
 
 import numpy as np
@@ -53,8 +53,13 @@ def test_v5_float16_against_float64(rng, opts, d, d_v):
     assert o.dtype == np.float16 and lse.dtype == np.float32
     assert not np.isnan(o).any()
     assert max_abs_err(o, o_ref) <= half_budget(o_ref, v, UNIT[np.float16])
-    # lse: float32 sums of Nk terms, exp2 to 2 ulps
-    assert max_abs_err(lse, lse_ref) <= 1e-5 * (nk + np.abs(lse_ref).max())
+    # lse: -inf exactly where no key is allowed; elsewhere float32 sums
+    # of Nk terms (Nk eps relative in l, so absolute in log l)
+    finite = np.isfinite(lse_ref)
+    assert np.array_equal(finite, np.isfinite(lse))
+    eps = float(np.finfo(np.float32).eps)
+    tol = eps * (nk + 8 * (1 + np.abs(lse_ref[finite])))
+    assert np.all(np.abs(lse[finite] - lse_ref[finite]) <= tol)
 
 
 @pytest.mark.parametrize("opts", CASES[:3])
@@ -109,9 +114,10 @@ def test_v6_tf32_is_tf32_accurate_and_3xtf32_better(rng, d):
     err_one = max_abs_err(gpu.attention(q, k, v, version=6,
                                         precision="tf32"), o_ref)
     err_three = max_abs_err(gpu.attention(q, k, v, version=6), o_ref)
-    # scores lose 2 * 2**-11 of sum |q||k| / sqrt(d); P V another 2**-10
+    # truncation to tf32 loses up to 2**-10 of each operand: scores lose
+    # 2 * 2**-10 of sum |q||k| / sqrt(d), P V another 2 * 2**-10
     s_abs = np.abs(q) @ np.abs(np.swapaxes(k, -1, -2)) / np.sqrt(d)
-    bound = 2.0**-10 * (s_abs.max() + 1) * np.abs(v).max()
+    bound = 2.0**-9 * (s_abs.max() + 1) * np.abs(v).max()
     assert err_one <= bound
     assert err_three * 20 < err_one  # the split buys ~3 decimal digits
 

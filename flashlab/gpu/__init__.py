@@ -94,13 +94,18 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     lse, lse_k = call.empty((call.bh, call.nq))
     vk = call.to_kernel(v, (call.bh, call.nk, d_v))
     if call.bh and call.nq:
+        arrays = [call.to_kernel(q, (call.bh, call.nq, d)),
+                  call.to_kernel(k, (call.bh, call.nk, d)), vk, o_k, lse_k]
+        if version in TENSOR_CORE_VERSIONS:  # they apply the rule of
+            # flashlab.nonfinite themselves, given V's bad columns
+            if dtype in HALF_BITS:
+                arrays[3] = o_k.view(np.int32)  # 16-bit pairs
+            arrays.append(call.bad_columns(vk, dtype))
         kernel(name, d, d_v)[
             (math.ceil(call.nq / br), call.bh), threads, call.stream](
-            call.to_kernel(q, (call.bh, call.nq, d)),
-            call.to_kernel(k, (call.bh, call.nk, d)), vk,
-            o_k.view(np.int32) if dtype in HALF_BITS else o_k, lse_k,
-            *call.args)
-    call.finish(o_k, lse_k, vk, dtype)
+            *arrays, *call.args)
+        if version not in TENSOR_CORE_VERSIONS:
+            call.finish(o_k, lse_k, vk)
     o = call.result(o, (*call.batch, call.nq, d_v))
     return ((o, call.result(lse, (*call.batch, call.nq))) if return_lse
             else o)
@@ -236,7 +241,7 @@ class _Call:
             options)
         self.bh = int(np.prod(self.batch))
         self.nq, self.nk = plan.nq, plan.nk
-        self.empty_rows = plan.empty_rows(self.batch)
+        self.plan = plan
         self.torch = type(q).__module__.startswith("torch")
         self.numpy = isinstance(q, np.ndarray)
         self.device = q.device if self.torch else None
@@ -309,31 +314,34 @@ class _Call:
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
-    def finish(self, o_k, lse_k, v_k, dtype="float32"):
-        """Apply flashlab.nonfinite's rule to the forward's output."""
+    def bad_columns(self, v_k, dtype):
+        """(BH, d_v) bool on the device: column x of V[b] holds a NaN or
+        an inf (flashlab.nonfinite)."""
+        nk, d_v = v_k.shape[1:]
+        bad = self.zeros_bool((self.bh, d_v))
+        grid = (math.ceil(nk * d_v / device.THREADS), self.bh)
+        if not nk:
+            return bad
+        if dtype in HALF_BITS:
+            warp.find_bad_columns16[grid, device.THREADS, self.stream](
+                v_k, bad, HALF_BITS[dtype][0])
+        else:
+            device.find_bad_columns[grid, device.THREADS, self.stream](
+                v_k, bad)
+        return bad
+
+    def finish(self, o_k, lse_k, v_k):
+        """Apply flashlab.nonfinite's rule to the output of v1-v4."""
         from numba import cuda
 
-        nk, d_v = v_k.shape[1:]
-        if not (self.bh and self.nq):
-            return
-        bad = self.zeros_bool((self.bh, d_v))
-        empty = self.empty_rows.reshape(self.bh, self.nq)
+        bad = self.bad_columns(v_k, "float32")
+        empty = self.plan.empty_rows(self.batch).reshape(self.bh, self.nq)
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty
             empty_k = cuda.to_device(np.ascontiguousarray(empty))
-        t, st = device.THREADS, self.stream
-        cols = (math.ceil(nk * d_v / t), self.bh)
-        rows = (math.ceil(self.nq / t), self.bh)
-        if dtype in HALF_BITS:
-            exponent, nan_bits = HALF_BITS[dtype]
-            if nk:
-                warp.find_bad_columns16[cols, t, st](v_k, bad, exponent)
-            warp.finish_rows16[rows, t, st](o_k, lse_k, bad, empty_k,
-                                            np.int16(nan_bits))
-            return
-        if nk:
-            device.find_bad_columns[cols, t, st](v_k, bad)
-        device.finish_rows[rows, t, st](o_k, lse_k, bad, empty_k)
+        device.finish_rows[(math.ceil(self.nq / device.THREADS), self.bh),
+                           device.THREADS, self.stream](o_k, lse_k, bad,
+                                                        empty_k)
 
     def result(self, out, shape):
         """The output in the caller's kind, with the caller's shape."""

@@ -62,7 +62,16 @@ def supports(name, d, d_v):
 
 def signature(name):
     """Argument types of a kernel, for compiling without a GPU."""
-    from numba import float32, int16, int32, int64, typeof, uint8, uint64
+    from numba import (
+        boolean,
+        float32,
+        int16,
+        int32,
+        int64,
+        typeof,
+        uint8,
+        uint64,
+    )
 
     from flashlab.kernel_args import KernelRules
 
@@ -77,6 +86,8 @@ def signature(name):
     }.get(name.removesuffix("_blocked"), (a3, a3, a3, a3, a2))
     if name.startswith("forward_v5"):  # 16-bit bits in, pairs out
         arrays = (*(int16[:, :, ::1],) * 3, int32[:, :, ::1], a2)
+    if name.startswith(("forward_v5", "forward_v6")):  # + bad columns
+        arrays = (*arrays, boolean[:, ::1])
     return (*arrays, rules, int64[::1], uint8[:, :, ::1])
 
 

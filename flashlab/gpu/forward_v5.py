@@ -10,11 +10,10 @@ fragments of P V (fragments.c_places against a_places). Scores, softmax
 and O accumulate in float32; the output is rounded to the input's dtype.
 """
 
-import math
 
-from numba import cuda, float32, int16, int32
+from numba import cuda, float32, int16, int32, int64
 
-from flashlab.gpu.device import F0, NEG_INF, tile_full
+from flashlab.gpu.device import F0, NAN, NEG_INF, tile_full
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -28,19 +27,19 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     BR,
-    LN2,
     LOG2E,
     THREADS,
     a_from_c,
     ldmatrix_a,
-    ldmatrix_b,
-    ldmatrix_b_trans,
+    ldmatrix_b_offset,
+    ldmatrix_b_trans_offset,
     load_tile16,
     mask_scores,
+    note_allowed,
     online_softmax,
-    quad_sum,
     rescale,
-    swizzle,
+    row_end,
+    swizzled_offset,
     tile_range,
 )
 
@@ -64,7 +63,7 @@ def make(D, D_V, kind="bf16"):
     Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
 
     @cuda.jit
-    def forward_v5(q, k, v, o, lse, rules, kv_len, mask):
+    def forward_v5(q, k, v, o, lse, bad, rules, kv_len, mask):
         # q, k, v: (BH, N, d) 16-bit bits; o: (BH, Nq, d_v / 2) pairs
         q_s = cuda.shared.array(Q_S, int16)
         k_s = cuda.shared.array(K_S, int16)
@@ -76,6 +75,7 @@ def make(D, D_V, kind="bf16"):
         m = cuda.local.array(2, float32)  # rows g and g + 8
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
+        seen = cuda.local.array(2, int32)  # met an allowed key yet
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         b = cuda.blockIdx.y
@@ -85,30 +85,33 @@ def make(D, D_V, kind="bf16"):
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
         scale2 = rules.scale * LOG2E  # scores in log2 units: exp2 below
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        # SRAM tiles by address: cp.async and ldmatrix add offsets to these
+        q_at, k_at = shared_address(q_s, 0), shared_address(k_s, 0)
+        v_at = shared_address(v_s, 0)
         # HBM -> SRAM: Q_i (Br d) and the first K tile (Bc d)
-        load_tile16(q_s, q, b, i0, BR, D, t)
+        load_tile16(q_at, q, b, i0, BR, D, t)
         if first <= last:
-            load_tile16(k_s, k, b, first * BC, BC, D, t)
+            load_tile16(k_at, k, b, first * BC, BC, D, t)
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()  # Q_i, K_first in SRAM for every warp
         for ks in range(KD):
             r, c = ldmatrix_a(lane, ks)
             r += 16 * w  # this warp's rows of Q_i
-            a = ldmatrix_x4(shared_address(
-                q_s, (r * CQ + swizzle(r, c)) * 8))
+            a = ldmatrix_x4(q_at + swizzled_offset(r, c, CQ))
             for x in range(4):
                 qf[ks, x] = a[x]
         for h in range(2):
             m[h] = NEG_INF
             l[h] = F0
+            seen[h] = 0
         for n in range(NO):
             for x in range(4):
                 of[n, x] = F0
         for jt in range(first, last + 1):
             j0 = jt * BC
             # HBM -> SRAM: V_j (Bc d_v), landing while S_ij is computed
-            load_tile16(v_s, v, b, j0, BC, D_V, t)
+            load_tile16(v_at, v, b, j0, BC, D_V, t)
             cp_async_commit()
             # S_ij = Q_i K_j^T: (16, Bc) per warp, KD x NS mmas
             for n in range(NS):
@@ -116,9 +119,8 @@ def make(D, D_V, kind="bf16"):
                     sf[n, x] = F0
             for ks in range(KD):
                 for jp in range(NS // 2):
-                    key, c = ldmatrix_b(lane, jp, ks)
-                    kb = ldmatrix_x4(shared_address(
-                        k_s, (key * CQ + swizzle(key, c)) * 8))
+                    kb = ldmatrix_x4(k_at + ldmatrix_b_offset(
+                        lane, jp, ks, CQ))
                     for y in range(2):
                         d = mma(qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3],
                                 kb[2 * y], kb[2 * y + 1],
@@ -129,15 +131,17 @@ def make(D, D_V, kind="bf16"):
             cp_async_wait_all()
             cuda.syncthreads()  # V_j landed; no warp reads K_j any more
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
-                load_tile16(k_s, k, b, j0 + BC, BC, D, t)
+                load_tile16(k_at, k, b, j0 + BC, BC, D, t)
                 cp_async_commit()
             for n in range(NS):
                 for x in range(4):
                     sf[n, x] *= scale2
+            bits = int64(-1)  # every pair of a full tile is allowed
             if rules.use_mask or j0 + BC > nk or not tile_full(
                     i0, i1, j0, j0 + BC, rules, kv_len[b]):
-                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
-                            NS)
+                bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len,
+                                   mask, NS)
+            note_allowed(seen, bits, NS)
             online_softmax(sf, m, l, al, NS, b, row, j0, rules)
             rescale(of, al, NO)
             # O_i += P_ij V_j: P's C fragments are P V's A fragments
@@ -146,9 +150,8 @@ def make(D, D_V, kind="bf16"):
                     n, e = a_from_c(x)
                     pf[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
                 for op in range(NO // 2):
-                    key, c = ldmatrix_b_trans(lane, kp, op)
-                    vb = ldmatrix_x4_trans(shared_address(
-                        v_s, (key * CV + swizzle(key, c)) * 8))
+                    vb = ldmatrix_x4_trans(v_at + ldmatrix_b_trans_offset(
+                        lane, kp, op, CV))
                     for y in range(2):
                         d = mma(pf[0], pf[1], pf[2], pf[3], vb[2 * y],
                                 vb[2 * y + 1],
@@ -158,18 +161,23 @@ def make(D, D_V, kind="bf16"):
                             of[2 * op + y, x] = d[x]
             cp_async_wait_all()
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j
-        # O_i = O_i / l, lse = ln 2 (m + log2 l); 0 and -inf if l == 0
+        # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
+        # flashlab.nonfinite: no key 0 / -inf, all -inf NaN, and NaN in
+        # columns where V holds a NaN or inf (bad, found beforehand)
         for h in range(2):
-            total = quad_sum(l[h])
+            inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
             if i < nq:
-                inv = F0 if total == F0 else float32(1) / total
-                for n in range(NO):  # no key: 0, even where O_i is NaN
-                    o[b, i, 4 * n + lane % 4] = (
-                        0 if total == F0 else
-                        pack(of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv))
+                for n in range(NO):
+                    x = 8 * n + 2 * (lane % 4)
+                    v0, v1 = of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv
+                    if state == 1:  # no key: 0, even where O_i is NaN
+                        v0 = v1 = F0
+                    else:
+                        v0 = NAN if bad[b, x] else v0
+                        v1 = NAN if bad[b, x + 1] else v1
+                    o[b, i, x // 2] = pack(v0, v1)
                 if lane % 4 == 0:
-                    lse[b, i] = (NEG_INF if total == F0 else
-                                 (m[h] + math.log2(total)) * LN2)
+                    lse[b, i] = lse_i
 
     return forward_v5

@@ -4,7 +4,8 @@ The tf32 unit keeps 10 of float32's 23 mantissa bits. Split each operand
 into its tf32 head and the rest, x = hi + lo, and a product is hi hi' +
 hi lo' + lo hi' (lo lo' is below float32's rounding): three mmas give
 about float32 accuracy (fragments.split_tf32 models the split).
-`precision="tf32"` keeps only hi hi': one mma, about 1e-3 relative error.
+`precision="tf32"` is one mma on the raw values, which the unit
+truncates to tf32: about 1e-3 relative error, for speed.
 
 The schedule is v5's: four warps of 16 rows, K_j and V_j through SRAM by
 cp.async, S and O in fragments. Float32 fragments are not 16-bit pairs,
@@ -15,28 +16,28 @@ must not be a register array: Q's fragments are re-read from HBM (L1
 hits after the first tile) and P goes through a per-warp SRAM tile.
 """
 
-import math
 
-from numba import cuda, float32
+from numba import cuda, float32, int32, int64
 
-from flashlab.gpu.device import F0, NEG_INF, inline, tile_full
+from flashlab.gpu.device import F0, NAN, NEG_INF, inline, tile_full
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
     mma_tf32,
+    shared_address,
     to_tf32,
 )
 from flashlab.gpu.warp import (
     BR,
-    LN2,
     LOG2E,
     THREADS,
     WARPS,
     load_tile32,
     mask_scores,
+    note_allowed,
     online_softmax,
-    quad_sum,
     rescale,
+    row_end,
     tile_range,
 )
 
@@ -72,19 +73,21 @@ def make(D, D_V, precision="3xtf32"):
     @inline
     def product(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """C + A B on tf32 units: 3 mmas (hi/lo split) or 1."""
+        if PASSES == 1:  # the unit reads the top 10 mantissa bits
+            return mma_tf32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
         h0, h1, h2, h3 = (to_tf32(a0), to_tf32(a1), to_tf32(a2),
                           to_tf32(a3))
         g0, g1 = to_tf32(b0), to_tf32(b1)
-        d = (c0, c1, c2, c3)
-        if PASSES == 3:  # the small terms first; the unit truncates lo
-            d = mma_tf32(a0 - h0, a1 - h1, a2 - h2, a3 - h3, g0, g1,
-                         d[0], d[1], d[2], d[3])
-            d = mma_tf32(h0, h1, h2, h3, b0 - g0, b1 - g1,
-                         d[0], d[1], d[2], d[3])
+        # the small terms first; lo = x - hi is exact, and rounded (not
+        # truncated by the unit) it loses 2**-11 |lo| <= 2**-22 |x|
+        d = mma_tf32(to_tf32(a0 - h0), to_tf32(a1 - h1), to_tf32(a2 - h2),
+                     to_tf32(a3 - h3), g0, g1, c0, c1, c2, c3)
+        d = mma_tf32(h0, h1, h2, h3, to_tf32(b0 - g0), to_tf32(b1 - g1),
+                     d[0], d[1], d[2], d[3])
         return mma_tf32(h0, h1, h2, h3, g0, g1, d[0], d[1], d[2], d[3])
 
     @cuda.jit
-    def forward_v6(q, k, v, o, lse, rules, kv_len, mask):
+    def forward_v6(q, k, v, o, lse, bad, rules, kv_len, mask):
         # q, k, v: (BH, N, d) float32; o: (BH, Nq, d_v); lse: (BH, Nq)
         k_s = cuda.shared.array(K_S, float32)
         v_s = cuda.shared.array(V_S, float32)
@@ -94,6 +97,7 @@ def make(D, D_V, precision="3xtf32"):
         m = cuda.local.array(2, float32)  # rows g and g + 8
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
+        seen = cuda.local.array(2, int32)  # met an allowed key yet
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         g, tq = lane // 4, lane % 4
@@ -105,12 +109,14 @@ def make(D, D_V, precision="3xtf32"):
         r0, r1 = min(row, nq - 1), min(row + 8, nq - 1)  # rows it reads
         scale2 = rules.scale * LOG2E  # scores in log2 units
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        k_at, v_at = shared_address(k_s, 0), shared_address(v_s, 0)
         if first <= last:  # HBM -> SRAM: the first K tile (Bc d)
-            load_tile32(k_s, k, b, first * BC, BC, D, SK, t)
+            load_tile32(k_at, k, b, first * BC, BC, D, SK, t)
         cp_async_commit()
         for h in range(2):
             m[h] = NEG_INF
             l[h] = F0
+            seen[h] = 0
         for n in range(NO):
             for x in range(4):
                 of[n, x] = F0
@@ -119,7 +125,7 @@ def make(D, D_V, precision="3xtf32"):
         for jt in range(first, last + 1):
             j0 = jt * BC
             # HBM -> SRAM: V_j (Bc d_v), landing while S_ij is computed
-            load_tile32(v_s, v, b, j0, BC, D_V, SV, t)
+            load_tile32(v_at, v, b, j0, BC, D_V, SV, t)
             cp_async_commit()
             # S_ij = Q_i K_j^T; K_j^T's B fragment: keys g, dims t, t + 4
             for n in range(NS):
@@ -138,15 +144,17 @@ def make(D, D_V, precision="3xtf32"):
             cp_async_wait_all()
             cuda.syncthreads()  # V_j landed; no warp reads K_j any more
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
-                load_tile32(k_s, k, b, j0 + BC, BC, D, SK, t)
+                load_tile32(k_at, k, b, j0 + BC, BC, D, SK, t)
                 cp_async_commit()
             for n in range(NS):
                 for x in range(4):
                     sf[n, x] *= scale2
+            bits = int64(-1)  # every pair of a full tile is allowed
             if rules.use_mask or j0 + BC > nk or not tile_full(
                     i0, i1, j0, j0 + BC, rules, kv_len[b]):
-                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
-                            NS)
+                bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len,
+                                   mask, NS)
+            note_allowed(seen, bits, NS)
             online_softmax(sf, m, l, al, NS, b, row, j0, rules)
             rescale(of, al, NO)
             # registers -> SRAM: P_ij, (16, Bc) per warp, for its A operand
@@ -169,18 +177,22 @@ def make(D, D_V, precision="3xtf32"):
                         of[op, x] = d[x]
             cp_async_wait_all()
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j or P
-        # O_i = O_i / l, lse = ln 2 (m + log2 l); 0 and -inf if l == 0
+        # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
+        # flashlab.nonfinite, as in v5
         for h in range(2):
-            total = quad_sum(l[h])
+            inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
             if i < nq:
-                inv = F0 if total == F0 else float32(1) / total
-                for n in range(NO):  # no key: 0, even where O_i is NaN
+                for n in range(NO):
                     for y in range(2):
-                        o[b, i, 8 * n + 2 * tq + y] = (
-                            F0 if total == F0 else of[n, 2 * h + y] * inv)
+                        x = 8 * n + 2 * tq + y
+                        value = of[n, 2 * h + y] * inv
+                        if state == 1:  # no key: 0, even where O_i is NaN
+                            value = F0
+                        elif bad[b, x]:
+                            value = NAN
+                        o[b, i, x] = value
                 if tq == 0:
-                    lse[b, i] = (NEG_INF if total == F0 else
-                                 (m[h] + math.log2(total)) * LN2)
+                    lse[b, i] = lse_i
 
     return forward_v6

@@ -10,11 +10,12 @@ four lanes of a group share a row and meet by shuffles. See chapter 10.
 import math
 
 import numpy as np
-from numba import cuda, int32, int64
+from numba import cuda, int32, int64, uint32, uint64
 
 from flashlab import fragments, merge, nonfinite
 from flashlab.gpu.device import (
     F0,
+    NAN,
     NEG_INF,
     allowed,
     dropout_weight,
@@ -23,8 +24,8 @@ from flashlab.gpu.device import (
 )
 from flashlab.gpu.intrinsics import (
     cp_async16,
+    ex2,
     global_address,
-    shared_address,
 )
 
 WARPS = 4  # warps per block, 16 query rows each
@@ -35,13 +36,14 @@ LN2 = np.float32(math.log(2.0))
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in a shuffle
 
 swizzle = cuda.jit(device=True)(fragments.swizzle)
+swizzled_offset = cuda.jit(device=True)(fragments.swizzled_offset)
 ldmatrix_a = cuda.jit(device=True)(fragments.ldmatrix_a)
-ldmatrix_b = cuda.jit(device=True)(fragments.ldmatrix_b)
-ldmatrix_b_trans = cuda.jit(device=True)(fragments.ldmatrix_b_trans)
+ldmatrix_b_offset = cuda.jit(device=True)(fragments.ldmatrix_b_offset)
+ldmatrix_b_trans_offset = cuda.jit(device=True)(
+    fragments.ldmatrix_b_trans_offset)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
 row_step2 = cuda.jit(device=True)(merge.row_step2)
 _mark_bad_bits = cuda.jit(device=True)(nonfinite.mark_bad_bits)
-_finish_row = cuda.jit(device=True)(nonfinite.finish_row)
 
 
 @inline
@@ -67,18 +69,20 @@ def tile_range(i0, i1, nk, bc, rules, kv):
 def load_tile16(dst, src, b, r0, rows, cols, t):
     """HBM -> SRAM without registers: rows r0.. of src[b] into dst.
 
-    src holds 16-bit values (int16 bits), dst is a 1-D shared array of
-    rows x cols in 16-byte chunks placed by `swizzle`; rows past the end
-    of src are zero-filled. Asynchronous: commit, wait and sync after.
+    src holds 16-bit values (int16 bits); dst is the shared_address of a
+    tile of rows x cols in 16-byte chunks placed by `swizzle`. Rows past
+    the end of src are zero-filled. Asynchronous: commit, wait and sync
+    after. Addresses are computed from two bases, not per element.
     """
     n = src.shape[1]
     per_row = cols // 8
+    at = global_address(src, (b, 0, 0))
     for e in range(t, rows * per_row, THREADS):
         r = e // per_row
         c = e - r * per_row
         inside = r0 + r < n
-        cp_async16(shared_address(dst, (r * per_row + swizzle(r, c)) * 8),
-                   global_address(src, (b, min(r0 + r, n - 1), c * 8)),
+        cp_async16(dst + uint32(swizzled_offset(r, c, per_row)),
+                   at + uint64((min(r0 + r, n - 1) * cols + c * 8) * 2),
                    int32(16 if inside else 0))
 
 
@@ -91,12 +95,13 @@ def load_tile32(dst, src, b, r0, rows, cols, stride, t):
     """
     n = src.shape[1]
     per_row = cols // 4
+    at = global_address(src, (b, 0, 0))
     for e in range(t, rows * per_row, THREADS):
         r = e // per_row
         c = e - r * per_row
         inside = r0 + r < n
-        cp_async16(shared_address(dst, r * stride + c * 4),
-                   global_address(src, (b, min(r0 + r, n - 1), c * 4)),
+        cp_async16(dst + uint32((r * stride + c * 4) * 4),
+                   at + uint64((min(r0 + r, n - 1) * cols + c * 4) * 4),
                    int32(16 if inside else 0))
 
 
@@ -156,6 +161,33 @@ def mask_scores(sf, b, i, j0, nq, nk, rules, kv_len, mask, tiles):
         for e in range(4):
             if not (bits >> (4 * n + e)) & 1:
                 sf[n, e] = NEG_INF
+    return bits
+
+
+@inline
+def note_allowed(seen, bits, tiles):
+    """seen[h] = 1 once row h (g or g + 8) has met an allowed key: bits
+    from mask_scores, or -1 for a tile whose pairs are all allowed."""
+    if bits == -1:  # a full tile
+        seen[0] = seen[1] = 1
+        return
+    for h in range(2):
+        for n in range(tiles):
+            if (bits >> (4 * n + 2 * h)) & 3:
+                seen[h] = 1
+
+
+@inline
+def row_end(m_h, l_h, seen_h):
+    """(1 / l, lse, state) of a row at the end, the rule of
+    flashlab.nonfinite: state 0 normal, 1 no allowed key (0 and lse
+    -inf), 2 allowed keys whose scores were all -inf (NaN)."""
+    total = quad_sum(l_h)
+    if quad_max(seen_h) == 0:
+        return F0, NEG_INF, 1
+    if total == F0:
+        return NAN, NAN, 2
+    return np.float32(1) / total, (m_h + math.log2(total)) * LN2, 0
 
 
 @inline
@@ -174,7 +206,7 @@ def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
         part = np.float32(0)
         for n in range(tiles):
             for e in range(2 * h, 2 * h + 2):
-                p = math.exp2(sf[n, e] - shift)
+                p = ex2(sf[n, e] - shift)
                 part += p
                 sf[n, e] = p
         l[h] = al[h] * l[h] + part
@@ -202,13 +234,3 @@ def find_bad_columns16(v, bad, exponent):
     d_v = v.shape[2]
     if e < v.shape[1] * d_v:
         _mark_bad_bits(v, bad, b, e // d_v, e % d_v, exponent)
-
-
-@cuda.jit
-def finish_rows16(o, lse, bad, empty, nan_bits):
-    """flashlab.nonfinite's rule on 16-bit output rows (int16 bits)."""
-    b = cuda.blockIdx.y
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < o.shape[1]:
-        _finish_row(o, lse, bad, empty, b, i, nan_bits,
-                    np.float32(np.nan), NEG_INF)
