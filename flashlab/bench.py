@@ -375,12 +375,12 @@ def _row(device, impl, pass_, causal, b, h, n, d, ms, flops, ratio):
 def table(rows):
     """The measurements as a fixed-width text table."""
     head = (f"{'device':<8} {'pass':<8} {'impl':<19} {'causal':<6} "
-            f"{'N':>6} {'ms':>10} {'TFLOP/s':>8} {'vs torch':>8}")
+            f"{'d':>4} {'N':>6} {'ms':>10} {'TFLOP/s':>8} {'vs torch':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['device']:<8} {r['pass']:<8} {r['impl']:<19} "
-            f"{str(r['causal']):<6} {r['N']:>6} {r['ms']:>10.3f} "
+            f"{str(r['causal']):<6} {r['d']:>4} {r['N']:>6} {r['ms']:>10.3f} "
             f"{r['tflops']:>8.2f} {r['vs_torch']:>7.2f}x")
     return "\n".join(lines)
 

@@ -1,19 +1,22 @@
 """Stored measurements that the chapters read, shipped inside the package.
 
 The benchmark tables and ceilings in `flashlab/data/` were measured with
-`python -m flashlab.bench`, the registers and local memory per kernel with
-`python -m flashlab.ptx --resources`, on the machine their first line
-names. They
-are read through importlib.resources, so a chapter finds them wherever
-flashlab is installed, whatever its working directory. See chapter 9.
+`python -m flashlab.bench` (tensor_h200: `--tensor-cores`), the registers
+and local memory per kernel with `python -m flashlab.ptx --resources`, the
+profile with Nsight Compute (ncu), on the machine their first line or
+"machine" field names. They are read through importlib.resources, so a
+chapter finds them wherever flashlab is installed, whatever its working
+directory. See chapters 9 and 10.
 """
 
 import csv
 import io
+import json
 from importlib import resources
 
 FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
-         "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt")
+         "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt",
+         "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt")
 
 
 def text(name):
@@ -22,6 +25,13 @@ def text(name):
         raise ValueError(f"name: expected one of {FILES}, got {name!r}")
     return resources.files("flashlab.data").joinpath(name).read_text(
         encoding="utf-8")
+
+
+def record(name):
+    """The stored JSON file `name` (a .json of FILES) as a dict."""
+    if not name.endswith(".json"):
+        raise ValueError(f"name: expected a .json file, got {name!r}")
+    return json.loads(text(name))
 
 
 def rows(name):

@@ -1,6 +1,7 @@
 """What the GPU kernels compile to, read on a machine without a GPU.
 
     python -m flashlab.ptx              # JSON: float64 ops, shared memory
+    python -m flashlab.ptx --only forward_v5,forward_v6   # some kernels
     python -m flashlab.ptx --resources  # on a GPU: registers, local memory
 
 `report` compiles every flashlab.gpu kernel to PTX for compute capability
@@ -54,13 +55,15 @@ def local_bytes(ptx):
         r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
 
 
-def report(head_dims=HEAD_DIMS):
+def report(head_dims=HEAD_DIMS, only=()):
     """{"kernel d dv": {"f64", "shared", "exp", "mma", "local"}} for every
-    GPU kernel."""
+    GPU kernel (or those whose names start with one of `only`)."""
     from flashlab import gpu
 
     out = {}
     for name in gpu.kernel_names():
+        if only and not name.startswith(tuple(only)):
+            continue
         for d, dv in head_dims:
             if not gpu.supports(name, d, dv):
                 continue
@@ -136,11 +139,14 @@ def resources(head_dims=HEAD_DIMS):
     return out
 
 
-def run_report(timeout=900):
-    """`report()` computed in a fresh process without the simulator."""
+def run_report(timeout=900, only=()):
+    """`report(only=only)` computed in a fresh process without the
+    simulator."""
     env = {k: v for k, v in os.environ.items()
            if k != "NUMBA_ENABLE_CUDASIM"}
-    done = subprocess.run([sys.executable, "-m", "flashlab.ptx"], env=env,
+    args = ["--only", ",".join(only)] if only else []
+    done = subprocess.run([sys.executable, "-m", "flashlab.ptx", *args],
+                          env=env,
                           capture_output=True, text=True, timeout=timeout,
                           check=False)
     if done.returncode != 0:
@@ -149,5 +155,7 @@ def run_report(timeout=900):
 
 
 if __name__ == "__main__":
+    only = (sys.argv[sys.argv.index("--only") + 1].split(",")
+            if "--only" in sys.argv else ())
     print(json.dumps(resources() if "--resources" in sys.argv
-                     else report()))
+                     else report(only=only)))

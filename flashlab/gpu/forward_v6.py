@@ -36,7 +36,6 @@ from flashlab.gpu.warp import (
     mask_scores,
     note_allowed,
     online_softmax,
-    rescale,
     row_end,
     tile_range,
 )
@@ -94,6 +93,7 @@ def make(D, D_V, precision="3xtf32"):
         p_s = cuda.shared.array(P_S, float32)  # each warp's P_ij
         sf = cuda.local.array((NS, 4), float32)  # S_ij, then P_ij
         of = cuda.local.array((NO, 4), float32)  # O_i, unnormalized
+        pv = cuda.local.array((NO, 4), float32)  # P_ij V_j of one tile
         m = cuda.local.array(2, float32)  # rows g and g + 8
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
@@ -156,14 +156,18 @@ def make(D, D_V, precision="3xtf32"):
                                    mask, NS)
             note_allowed(seen, bits, NS)
             online_softmax(sf, m, l, al, NS, b, row, j0, rules)
-            rescale(of, al, NO)
             # registers -> SRAM: P_ij, (16, Bc) per warp, for its A operand
             for n in range(NS):
                 for x in range(4):
                     p_s[w, (g + 8 * (x // 2)) * SP + 8 * n + 2 * tq
                         + x % 2] = sf[n, x]
             cuda.syncwarp()  # the warp's P_ij written before it is read
-            # O_i += P_ij V_j, one k-step per 8 keys
+            # PV = P_ij V_j, one k-step per 8 keys, summed on its own: the
+            # unit truncates its sums, so adding each tile's few terms
+            # straight into O_i would bias O by one truncation per tile
+            for op in range(NO):
+                for x in range(4):
+                    pv[op, x] = F0
             for n in range(NS):
                 pr = g * SP + 8 * n + tq
                 a0, a1 = p_s[w, pr], p_s[w, pr + 8 * SP]
@@ -171,10 +175,13 @@ def make(D, D_V, precision="3xtf32"):
                 vr = (8 * n + tq) * SV + g  # V_j's B fragment
                 for op in range(NO):
                     d = product(a0, a1, a2, a3, v_s[vr + 8 * op],
-                                v_s[vr + 4 * SV + 8 * op], of[op, 0],
-                                of[op, 1], of[op, 2], of[op, 3])
+                                v_s[vr + 4 * SV + 8 * op], pv[op, 0],
+                                pv[op, 1], pv[op, 2], pv[op, 3])
                     for x in range(4):
-                        of[op, x] = d[x]
+                        pv[op, x] = d[x]
+            for op in range(NO):  # O_i = alpha O_i + P_ij V_j, rounded
+                for x in range(4):
+                    of[op, x] = al[x // 2] * of[op, x] + pv[op, x]
             cp_async_wait_all()
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j or P
         # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
