@@ -75,3 +75,16 @@ def fused_transfers(n, d, d_v=None, *, block_q):
     """Fused tiled path (FlashAttention-2 order): S and P stay on chip."""
     reads, writes = transfers("fa2", n, d, d_v, block_q=block_q)
     return sum(reads.values()) + sum(writes.values())
+
+
+def ring_transfers(world, n_local, d, d_v=None):
+    """Elements each rank sends in ring attention: (forward, backward).
+
+    Forward: world - 1 hops of a K/V slice, n_local (d + d_v) each.
+    Backward: world - 1 hops of K, V, dK, dV, and one last hop of dK, dV
+    back to their own rank. Times batch x heads for the whole call; the
+    same for every rank and layout. See chapter 11.
+    """
+    d_v = d if d_v is None else d_v
+    kv = n_local * (d + d_v)
+    return (world - 1) * kv, (2 * (world - 1) + 1) * kv
