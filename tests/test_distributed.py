@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flashlab import distributed, reference, tiled
+from flashlab import costs, distributed, reference, tiled
 
 TOL = 1e-12  # float64 throughout: a merge or two of rounding
 
@@ -46,11 +46,18 @@ def _worker(rank, world, port, seed):
                                                        layout)[rank],
                                      requires_grad=True)
                         for x in (q, k, v)]
+                before = distributed.sent_bytes()
                 out = distributed.ring_attention(*mine, causal=causal,
                                                  layout=layout)
+                forward = distributed.sent_bytes() - before
                 do_r = torch.tensor(distributed.split(do, world,
                                                       layout)[rank])
                 got = torch.autograd.grad(out, mine, do_r)
+                backward = distributed.sent_bytes() - before - forward
+                # every hop counted: exactly the closed form, per head
+                per_head = costs.ring_transfers(world, n // world, d)
+                assert (forward, backward) == tuple(
+                    6 * 8 * x for x in per_head)  # B H = 6, float64
                 want = distributed.split(o_ref, world, layout)[rank]
                 err = np.max(np.abs(out.detach().numpy() - want))
                 assert err < TOL, (layout, causal, "o", err)
