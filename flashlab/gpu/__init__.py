@@ -49,7 +49,7 @@ FLOAT32_VERSIONS = (1, 2, 3, 4, 6)  # take float32 inputs
 HALF_VERSIONS = (5,)  # take bf16 or float16 inputs
 TENSOR_CORE_VERSIONS = (5, 6)  # inline PTX: a GPU, never the simulator
 PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
-DEFAULT_VERSION = 3  # float32 on the simulator too (flashlab/data/bench_h200)
+DEFAULT_VERSION = 3  # float32 without tensor cores (bench_h200, simulator)
 ORDERS = ("fa2",)  # the loop order the forward kernels run
 # 16-bit storage: (exponent bits, a NaN's bits) per dtype name
 HALF_BITS = {"bfloat16": (0x7F80, 0x7FC0), "float16": (0x7C00, 0x7E00)}
@@ -75,15 +75,17 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
     place), numba device arrays, or numpy arrays (copied over and back);
     the result is of the same kind and dtype, lse float32. version None
-    picks v5 for bf16/float16 and DEFAULT_VERSION for float32; precision
-    ("3xtf32" or "tf32") belongs to v6. Each version fixes its tile sizes
+    picks v5 for bf16/float16 and, for float32, v6 (3xTF32: float32
+    accuracy on the tensor cores, 2-3x v3 on the H200) where it runs,
+    else DEFAULT_VERSION; precision ("3xtf32" or "tf32") belongs to v6.
+    Each version fixes its tile sizes
     (`tile_shape`): block_q and block_k may only restate them.
     """
     tiled.check_order(order, ORDERS)
     tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
-    version = _check_version(version, dtype)
+    version = _check_version(version, dtype, d, d_v)
     name = _forward_name(version, dtype, precision, d, d_v)
     br, bc, threads = FORWARDS[version].shape(d, d_v)
     _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
@@ -152,10 +154,18 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
             call.result(dv, (*call.batch, nk, d_v)))
 
 
-def _check_version(version, dtype):
-    """The forward version for inputs of `dtype` (None: the default)."""
+def _check_version(version, dtype, d, d_v):
+    """The forward version for inputs of `dtype` (None: the fastest one
+    that is as accurate as float32 arithmetic: v5 for 16-bit inputs, v6
+    at 3xTF32 for float32 head dims it runs on a GPU, else v3)."""
+    from numba import config
+
     if version is None:
-        return HALF_VERSIONS[0] if dtype in HALF_BITS else DEFAULT_VERSION
+        if dtype in HALF_BITS:
+            return HALF_VERSIONS[0]
+        tensor_ok = (d in forward_v6.HEAD_DIMS and d_v in forward_v6.HEAD_DIMS
+                     and not config.ENABLE_CUDASIM)
+        return 6 if tensor_ok else DEFAULT_VERSION
     if isinstance(version, bool) or version not in FORWARDS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, "
                          f"got {version!r}")
