@@ -3,10 +3,13 @@
 Same arguments and semantics as `flashlab.tiled`, float32 and float64.
 Query blocks (forward, dQ pass) and key blocks (dK/dV pass) of every
 batch element run in parallel threads; nothing is shared between
-threads, so results do not depend on the thread count. The per-row
-algebra is `merge.row_step`, the mask rules `masks.pair_allowed`, the
-dropout hash `dropout.keep_bits`, compiled here as they are. See
-chapter 9.
+threads, so results do not depend on the thread count. Every tile
+product is one call of numpy's OpenBLAS (`flashlab.blas`), on one thread
+inside numba's; the softmax between them runs in vectorized loops
+(`flashlab.vector`: exp2 with log2(e) folded into the scale, a NaN-aware
+max). The per-row algebra is `merge.row_step2`, the mask rules
+`masks.pair_allowed`, the dropout hash `dropout.keep_bits`, compiled here
+as they are. See chapter 9.
 """
 
 import math
@@ -14,11 +17,19 @@ import math
 import numpy as np
 from numba import njit, prange, uint64
 
-from flashlab import dropout, kernel_args, masks, merge, nonfinite, tiled
+from flashlab import (
+    blas,
+    dropout,
+    kernel_args,
+    masks,
+    merge,
+    nonfinite,
+    tiled,
+    vector,
+)
 from flashlab._validate import check_flag
 
-_row_step = njit(merge.row_step)
-_row_probability = njit(merge.row_probability)
+_row_step2 = njit(merge.row_step2)
 _pair_allowed = njit(masks.pair_allowed)
 _tile_skipped = njit(masks.tile_skipped)
 _tile_full = njit(masks.tile_full)
@@ -29,6 +40,12 @@ _FAST = {"contract", "reassoc"}
 
 
 ORDERS = ("fa2",)  # the loop order these kernels run
+# Default tiles: big enough that each BLAS call does real work (256 x 512
+# measured best on the book's machine, chapter 9), small enough to stay
+# in cache; block_q and block_k override them.
+BLOCK_Q, BLOCK_K = 256, 512
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
 
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
@@ -40,15 +57,16 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
     q3, k3, v3, batch, plan, a = kernel_args.flatten(q, k, v, dict(
-        block_q=block_q, block_k=block_k, scale=scale, causal=causal,
-        mask=mask, window=window, kv_lengths=kv_lengths,
+        block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
+        scale=scale,
+        causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
         dropout_p=dropout_p, seed=seed))
     bh, d_v = q3.shape[0], v3.shape[-1]
     o = np.empty((bh, plan.nq, d_v), dtype=q3.dtype)
     lse = np.empty((bh, plan.nq), dtype=q3.dtype)
-    kt = np.ascontiguousarray(np.swapaxes(k3, -1, -2))  # (BH, d, Nk)
-    _forward(np.ascontiguousarray(q3), kt, np.ascontiguousarray(v3), o, lse,
-             plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask)
+    with blas.one_thread():  # numba's threads call it, one each
+        _forward(*(np.ascontiguousarray(x) for x in (q3, k3, v3)), o, lse,
+                 plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask)
     o = o.reshape(*batch, plan.nq, d_v)
     lse = lse.reshape(*batch, plan.nq)
     nonfinite.finish(o, lse, v3.reshape(*batch, plan.nk, d_v),
@@ -63,8 +81,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     """Numba CPU gradients (dq, dk, dv); keywords as tiled's backward."""
     tiled.check_order(order)  # one backward loop follows either forward
     q3, k3, v3, batch, plan, a = kernel_args.flatten(q, k, v, dict(
-        block_q=block_q, block_k=block_k, scale=scale, causal=causal,
-        mask=mask, window=window, kv_lengths=kv_lengths,
+        block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
+        scale=scale,
+        causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
         dropout_p=dropout_p, seed=seed))
     o, lse, do = tiled.check_saved(q, v, o, lse, do)
     bh, d_v = q3.shape[0], v3.shape[-1]
@@ -72,13 +91,19 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     lse3 = np.ascontiguousarray(lse.reshape(bh, plan.nq))
     delta = (do3 * o.reshape(bh, plan.nq, d_v)).sum(axis=-1)  # D_i (BH, Nq)
     dq, dk, dv = (np.empty_like(x) for x in (q3, k3, v3))
-    q3, k3 = np.ascontiguousarray(q3), np.ascontiguousarray(k3)
-    kt, vt = (np.ascontiguousarray(np.swapaxes(x, -1, -2)) for x in (k3, v3))
-    _backward_kv(q3, kt, vt, do3, lse3, delta, dk, dv, plan.block_q,
-                 plan.block_k, a.rules, a.kv_len, a.mask)
-    _backward_q(q3, kt, vt, do3, lse3, delta, k3, dq, plan.block_q,
-                plan.block_k, a.rules, a.kv_len, a.mask)
+    q3, k3, v3 = (np.ascontiguousarray(x) for x in (q3, k3, v3))
+    lse2 = lse3 * q3.dtype.type(_LOG2E)  # log2 units, as the scores
+    with blas.one_thread():
+        _backward_kv(q3, k3, v3, do3, lse2, delta, dk, dv, plan.block_q,
+                     plan.block_k, a.rules, a.kv_len, a.mask)
+        _backward_q(q3, k3, v3, do3, lse2, delta, dq, plan.block_q,
+                    plan.block_k, a.rules, a.kv_len, a.mask)
     return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+
+
+def _default(block, size):
+    """A block size as given, or the CPU default when None."""
+    return size if block is None else block
 
 
 @njit
@@ -109,71 +134,34 @@ def _dropout_weight(r, b, i, j):
 
 
 @njit(fastmath=_FAST)
-def _score_tile(s, q_b, kt_b, i0, br, j0, bc, scale):
-    """s[:br, :bc] = scale * Q_i K_j^T, vectorized along the keys.
+def _softmax_rows(s, m, l, acc, br, bc, lowest):
+    """Rows of S_ij (log2 units) -> P_ij in place; m, l, acc updated.
 
-    q_b (Nq, d) and kt_b (d, Nk) are one batch element's arrays. The inner
-    loops run over 1-d slices of exactly bc elements, which is what lets
-    LLVM vectorize them (indexing the 3-d arrays directly does not), and
-    four rows go together so that each K element loaded feeds four
-    multiply-adds. Chapter 9 has the measurements.
+    vector.maximum and vector.exp2 keep both loops over a row vectorized.
     """
-    r = 0
-    while r + 4 <= br:
-        s0, s1, s2, s3 = s[r, :bc], s[r + 1, :bc], s[r + 2, :bc], s[r + 3, :bc]
-        q0, q1 = q_b[i0 + r], q_b[i0 + r + 1]
-        q2, q3 = q_b[i0 + r + 2], q_b[i0 + r + 3]
-        s0[:] = 0
-        s1[:] = 0
-        s2[:] = 0
-        s3[:] = 0
-        for x in range(q_b.shape[1]):
-            a0, a1 = q0[x] * scale, q1[x] * scale
-            a2, a3 = q2[x] * scale, q3[x] * scale
-            k_x = kt_b[x, j0:j0 + bc]
-            for c in range(bc):
-                kc = k_x[c]
-                s0[c] += a0 * kc
-                s1[c] += a1 * kc
-                s2[c] += a2 * kc
-                s3[c] += a3 * kc
-        r += 4
-    for rest in range(r, br):  # the last br % 4 rows
-        s_r = s[rest, :bc]
-        q_r = q_b[i0 + rest]
-        s_r[:] = 0
-        for x in range(q_b.shape[1]):
-            a = q_r[x] * scale
-            k_x = kt_b[x, j0:j0 + bc]
-            for c in range(bc):
-                s_r[c] += a * k_x[c]
-
-
-@njit(fastmath=_FAST)
-def _add_pv(acc, s, v_b, br, j0, bc):
-    """acc[:br] += s[:br, :bc] V_j, four keys per pass over a row of acc."""
-    for r in range(br):
-        acc_r = acc[r]
-        c = 0
-        while c + 4 <= bc:
-            p0, p1, p2, p3 = s[r, c], s[r, c + 1], s[r, c + 2], s[r, c + 3]
-            v0, v1 = v_b[j0 + c], v_b[j0 + c + 1]
-            v2, v3 = v_b[j0 + c + 2], v_b[j0 + c + 3]
-            for x in range(acc_r.shape[0]):
-                acc_r[x] += p0 * v0[x] + p1 * v1[x] + p2 * v2[x] + p3 * v3[x]
-            c += 4
-        for rest in range(c, bc):  # the last bc % 4 keys
-            p = s[r, rest]
-            v_c = v_b[j0 + rest]
-            for x in range(acc_r.shape[0]):
-                acc_r[x] += p * v_c[x]
+    for a in range(br):
+        row = s[a, :bc]
+        tile_max = row[0]
+        for c in range(1, bc):
+            tile_max = vector.maximum(tile_max, row[c])
+        m[a], shift, alpha = _row_step2(m[a], tile_max, lowest)
+        row_sum = alpha * 0  # a zero of the array dtype
+        for c in range(bc):
+            p = vector.exp2(row[c] - shift)
+            row_sum += p
+            row[c] = p
+        l[a] = alpha * l[a] + row_sum
+        acc_a = acc[a]
+        for x in range(acc_a.shape[0]):
+            acc_a[x] *= alpha
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _forward(q, kt, v, o, lse, block_q, block_k, r, kv_len, mask):
-    bh, nq, _ = q.shape
+def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
+    bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nq + block_q - 1) // block_q
+    scale2 = r.scale * _LOG2E  # scores in log2 units: exp2, not exp
     for t in prange(bh * n_blocks):
         b = t // n_blocks
         i0 = (t % n_blocks) * block_q
@@ -182,37 +170,30 @@ def _forward(q, kt, v, o, lse, block_q, block_k, r, kv_len, mask):
         m = np.full(br, -np.inf, dtype=q.dtype)
         l = np.zeros(br, dtype=q.dtype)
         s = np.empty((br, block_k), dtype=q.dtype)  # the one score tile
+        q_i = q[b, i0:i0 + br]
         for j0 in range(0, nk, block_k):
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _score_tile(s, q[b], kt[b], i0, br, j0, bc, r.scale)
+            # S_ij = tau log2(e) Q_i K_j^T: one BLAS call, (br, bc)
+            blas.gemm(False, True, br, bc, d, scale2, q_i,
+                      k[b, j0:j0 + bc], 0, s)
             if r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, r,
                                             kv_len[b]):
                 _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
-            for a in range(br):
-                tile_max = s[a, 0]
-                for c in range(1, bc):
-                    tile_max = max(tile_max, s[a, c])
-                m[a], shift, alpha = _row_step(m[a], tile_max, r.lowest)
-                row_sum = alpha * 0  # a zero of the array dtype
-                for c in range(bc):  # branch-free, so it vectorizes
-                    p = math.exp(s[a, c] - shift)
-                    row_sum += p
-                    s[a, c] = p
-                l[a] = alpha * l[a] + row_sum
-                for x in range(d_v):
-                    acc[a, x] *= alpha
+            _softmax_rows(s, m, l, acc, br, bc, r.lowest)
             if r.use_dropout:  # dropped pairs leave the numerator only
                 for a in range(br):
                     for c in range(bc):
                         s[a, c] *= _dropout_weight(r, b, i0 + a, j0 + c)
-            _add_pv(acc, s, v[b], br, j0, bc)  # acc += P_ij V_j
+            # acc += P_ij V_j: one BLAS call, (br, d_v)
+            blas.gemm(False, False, br, d_v, bc, 1, s, v[b, j0:j0 + bc], 1,
+                      acc)
         for a in range(br):
             if l[a] != 0:  # NaN is not "no key": it stays NaN
                 for x in range(d_v):
                     o[b, i0 + a, x] = acc[a, x] / l[a]
-                lse[b, i0 + a] = m[a] + math.log(l[a])
+                lse[b, i0 + a] = (m[a] + math.log2(l[a])) * _LN2
             else:  # no allowed key: output 0, lse -inf
                 for x in range(d_v):
                     o[b, i0 + a, x] = 0
@@ -220,31 +201,44 @@ def _forward(q, kt, v, o, lse, block_q, block_k, r, kv_len, mask):
 
 
 @njit(fastmath=_FAST)
-def _ds_tile(s, dp, pz, q_b, kt_b, do_b, vt_b, lse_b, delta_b, b, i0, br,
+def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse2_b, delta_b, b, i0, br,
              j0, bc, r, kv_len, mask):
     """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s."""
-    _score_tile(s, q_b, kt_b, i0, br, j0, bc, r.scale)  # S_ij
-    one = r.drop_scale / r.drop_scale  # 1 in the array dtype (never 0 / 0)
-    _score_tile(dp, do_b, vt_b, i0, br, j0, bc, one)  # dP_ij = dO_i V_j^T
+    d, d_v = q_b.shape[1], v_b.shape[1]
+    # S_ij (log2 units) and dP_ij = dO_i V_j^T: two BLAS calls, (br, bc)
+    blas.gemm(False, True, br, bc, d, r.scale * _LOG2E, q_b[i0:i0 + br],
+              k_b[j0:j0 + bc], 0, s)
+    blas.gemm(False, True, br, bc, d_v, 1, do_b[i0:i0 + br],
+              v_b[j0:j0 + bc], 0, dp)
+    plain = (not r.use_mask and not r.use_dropout
+             and _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b]))
     for a in range(br):
         i = i0 + a
+        shift = max(lse2_b[i], r.lowest)  # row_probability2's shift
+        s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
+        if plain:  # every pair allowed, none dropped: a vector loop
+            for c in range(bc):
+                p = vector.exp2(s_a[c] - shift)
+                pz_a[c] = p
+                s_a[c] = p * (dp_a[c] - delta_b[i])
+            continue
         for c in range(bc):
             j = j0 + c
             if not _allowed(r, b, i, j, kv_len, mask):
-                s[a, c] = 0
-                pz[a, c] = 0
+                s_a[c] = 0
+                pz_a[c] = 0
                 continue
-            p = _row_probability(s[a, c], lse_b[i], r.lowest)
+            p = vector.exp2(s_a[c] - shift)
             z = _dropout_weight(r, b, i, j)
-            pz[a, c] = p * z
-            s[a, c] = p * (dp[a, c] * z - delta_b[i])
+            pz_a[c] = p * z
+            s_a[c] = p * (dp_a[c] * z - delta_b[i])
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_kv(q, kt, vt, do, lse, delta, dk, dv, block_q, block_k, r,
+def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
                  kv_len, mask):
     bh, nq, d = q.shape
-    nk, d_v = vt.shape[2], vt.shape[1]
+    nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nk + block_k - 1) // block_k
     for t in prange(bh * n_blocks):
         b = t // n_blocks
@@ -255,33 +249,26 @@ def _backward_kv(q, kt, vt, do, lse, delta, dk, dv, block_q, block_k, r,
         s = np.empty((block_q, bc), dtype=q.dtype)
         dp = np.empty((block_q, bc), dtype=q.dtype)
         pz = np.empty((block_q, bc), dtype=q.dtype)
-        q_b, do_b = q[b], do[b]
         for i0 in range(0, nq, block_q):
             br = min(block_q, nq - i0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q_b, kt[b], do_b, vt[b], lse[b], delta[b],
+            _ds_tile(s, dp, pz, q[b], k[b], do[b], v[b], lse2[b], delta[b],
                      b, i0, br, j0, bc, r, kv_len, mask)
-            for a in range(br):
-                q_a, do_a = q_b[i0 + a], do_b[i0 + a]
-                for c in range(bc):
-                    w = pz[a, c]  # dV_j += (P Z)^T dO_i
-                    dv_c = dv_j[c]
-                    for x in range(d_v):
-                        dv_c[x] += w * do_a[x]
-                    g = s[a, c] * r.scale  # dK_j += tau dS^T Q_i
-                    dk_c = dk_j[c]
-                    for x in range(d):
-                        dk_c[x] += g * q_a[x]
+            # dV_j += (P Z)^T dO_i and dK_j += tau dS^T Q_i: BLAS calls
+            blas.gemm(True, False, bc, d_v, br, 1, pz, do[b, i0:i0 + br],
+                      1, dv_j)
+            blas.gemm(True, False, bc, d, br, r.scale, s, q[b, i0:i0 + br],
+                      1, dk_j)
         dk[b, j0:j0 + bc, :] = dk_j
         dv[b, j0:j0 + bc, :] = dv_j
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_q(q, kt, vt, do, lse, delta, k, dq, block_q, block_k, r,
-                kv_len, mask):
+def _backward_q(q, k, v, do, lse2, delta, dq, block_q, block_k, r, kv_len,
+                mask):
     bh, nq, d = q.shape
-    nk = kt.shape[2]
+    nk = k.shape[1]
     n_blocks = (nq + block_q - 1) // block_q
     for t in prange(bh * n_blocks):
         b = t // n_blocks
@@ -291,18 +278,13 @@ def _backward_q(q, kt, vt, do, lse, delta, k, dq, block_q, block_k, r,
         s = np.empty((br, block_k), dtype=q.dtype)
         dp = np.empty((br, block_k), dtype=q.dtype)
         pz = np.empty((br, block_k), dtype=q.dtype)
-        k_b = k[b]
         for j0 in range(0, nk, block_k):
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], kt[b], do[b], vt[b], lse[b], delta[b],
+            _ds_tile(s, dp, pz, q[b], k[b], do[b], v[b], lse2[b], delta[b],
                      b, i0, br, j0, bc, r, kv_len, mask)
-            for a in range(br):
-                dq_a = dq_i[a]
-                for c in range(bc):
-                    g = s[a, c] * r.scale  # dQ_i += tau dS K_j
-                    k_c = k_b[j0 + c]
-                    for x in range(d):
-                        dq_a[x] += g * k_c[x]
+            # dQ_i += tau dS_ij K_j: one BLAS call
+            blas.gemm(False, False, br, d, bc, r.scale, s, k[b, j0:j0 + bc],
+                      1, dq_i)
         dq[b, i0:i0 + br, :] = dq_i

@@ -1,0 +1,93 @@
+"""exp2 and max for numba CPU kernels, written so that loops vectorize.
+
+numba's `math.exp` and `math.exp2` call libm one value at a time (this
+llvmlite has no vector math library), and its `max()` of floats compiles
+to compare-and-branch: either keeps LLVM from turning a loop over a row
+of scores into vector instructions. Here:
+
+- `exp2(x)`: for float32, 2**x as 2**n 2**f with n = round(x) and a
+  degree-7 polynomial for 2**f, |f| <= 1/2: relative error below 2e-7
+  (about 2 ulps; tests/test_vector.py measures it over the whole float32
+  range); -inf gives 0, NaN stays NaN, overflow gives inf and underflow
+  goes through the subnormals to 0, as `math.exp2` does. float64 keeps
+  `math.exp2` (libm), since the float64 paths are the accurate ones.
+- `maximum(a, b)`: llvm's `maximum`, one vector instruction sequence,
+  NaN if either is NaN.
+
+See chapter 9.
+"""
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+# 2**f = exp(f ln 2) = sum (f ln 2)**k / k!, k = 0..7, Horner from the top
+_C = tuple(np.float32(math.log(2.0) ** k / math.factorial(k))
+           for k in range(8))
+
+
+@intrinsic
+def _from_bits(typingctx, bits):
+    """The float32 whose bit pattern is the int32 `bits`."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def maximum(typingctx, a, b):
+    """max(a, b), NaN if either is NaN (llvm.maximum); vectorizes."""
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+    sig = a(a, b)
+
+    def codegen(context, builder, signature, args):
+        ty = args[0].type
+        name = ("llvm.maximum.f32" if ty == ir.FloatType()
+                else "llvm.maximum.f64")
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ty, [ty, ty]), name)
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+def exp2(x):
+    """2**x (numba-compiled; see the module docstring)."""
+    return math.exp2(x)
+
+
+@overload(exp2)
+def _exp2(x):
+    if x == types.float32:
+        return _exp2_float32
+    if isinstance(x, types.Float):
+        return lambda x: math.exp2(x)
+    return None
+
+
+def _exp2_float32(x):
+    # clamp first: past 128 the result is inf, below -150 it is 0; NaN
+    # fails both comparisons (selects, not branches) and comes back last
+    xc = np.float32(128) if x > np.float32(128) else x
+    xc = np.float32(-150) if xc < np.float32(-150) else xc
+    n = math.floor(xc + np.float32(0.5))
+    f = xc - n  # in [-1/2, 1/2]
+    p = ((((((_C[7] * f + _C[6]) * f + _C[5]) * f + _C[4]) * f + _C[3]) * f
+          + _C[2]) * f + _C[1]) * f + _C[0]
+    # 2**n as two normal powers of two, so subnormal results round right
+    k = np.int32(n)
+    k1 = k >> 1
+    k2 = k - k1
+    y = (p * _from_bits((k1 + 127) << 23)) * _from_bits((k2 + 127) << 23)
+    return y if x == x else x
+
+
+exp2_float32 = njit(_exp2_float32)
