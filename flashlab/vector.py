@@ -78,7 +78,7 @@ def _exp2_float32(x):
     # fails both comparisons (selects, not branches) and comes back last
     xc = np.float32(128) if x > np.float32(128) else x
     xc = np.float32(-150) if xc < np.float32(-150) else xc
-    n = math.floor(xc + np.float32(0.5))
+    n = np.floor(xc + np.float32(0.5))  # float32 (math.floor: int64)
     f = xc - n  # in [-1/2, 1/2]
     p = ((((((_C[7] * f + _C[6]) * f + _C[5]) * f + _C[4]) * f + _C[3]) * f
           + _C[2]) * f + _C[1]) * f + _C[0]

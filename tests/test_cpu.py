@@ -90,3 +90,28 @@ def test_bad_input():
         cpu.attention(x, x, x, block_k=0)
     with pytest.raises(ValueError, match="do: expected shape"):
         cpu.attention_backward(x, x, x, x, np.zeros(4), np.zeros((3, 4)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("opts", OPTIONS[:4])
+def test_both_backward_schedules(rng, monkeypatch, threads, opts):
+    # 4 heads: one pass with a head per thread when there are at least as
+    # many heads as threads (1 thread), else (8 threads) the two passes
+    monkeypatch.setattr(cpu.numba, "get_num_threads",
+                        lambda: 1 if threads == 1 else 8)
+    q, k, v = qkv(rng, (2, 2), 45, 37, 16, 8)
+    o, lse = tiled.attention(q, k, v, return_lse=True, **opts)
+    do = rng.standard_normal(o.shape)
+    got = cpu.attention_backward(q, k, v, o, lse, do, **opts)
+    want = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    for g, w in zip(got, want):
+        assert max_abs_err(g, w) < 1e-12
+
+
+def test_default_tiles_cover_long_rows(rng):
+    # N past one 256 x 512 tile in both directions, float32 budget
+    q, k, v = qkv(rng, (1, 2), 700, 1100, 64, 64, dtype=np.float32)
+    o = cpu.attention(q, k, v, causal=True)
+    o_ref = reference.attention(q, k, v, causal=True)
+    err_naive = max_abs_err(reference.naive(q, k, v, causal=True), o_ref)
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, 3)
