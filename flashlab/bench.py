@@ -335,35 +335,86 @@ def tensor_ceilings(reps=10):
 
 
 def cpu_rows(reps=5, n=4096, b=1, h=4, d=64, threads=2):
-    """flashlab.cpu against torch's CPU attention, float32."""
+    """flashlab.cpu against torch's CPU attention, float32, forward and
+    backward, 4-D inputs, the two interleaved rep by rep in one process;
+    plus flashlab.cpu with 64 x 64 tiles, and its tile products alone."""
     import numba
+    import torch
+
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((b, h, n, d), dtype=np.float32)
+              for _ in range(4)]
+    rows = []
+    for step, causal in enumerate((False, True), 1):
+        _progress(step, 2, f"cpu N={n} causal={causal}")
+        rows += _cpu_case(*arrays, causal, reps, threads)
+    print(file=sys.stderr)
+    return rows
+
+
+def _cpu_case(q, k, v, do, causal, reps, threads):
+    """The rows of `cpu_rows` at one causal setting."""
     import torch
     import torch.nn.functional as F
 
     from flashlab import cpu
 
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
-    rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((b, h, n, d), dtype=np.float32)
-               for _ in range(3))
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-    def timed(causal):
-        ms_torch = _cpu_time(lambda: F.scaled_dot_product_attention(
-            tq, tk, tv, is_causal=causal), reps)
-        ms_ours = _cpu_time(lambda: cpu.attention(q, k, v, causal=causal),
-                            reps)
-        return [_row(f"cpu x{threads}", name, "forward", causal, b, h, n, d,
-                     ms, _flops(b, h, n, d, causal), ms_torch / ms)
-                for name, ms in (("flashlab cpu", ms_ours),
-                                 ("torch sdpa", ms_torch))]
-
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    out = F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+    o, lse = cpu.attention(q, k, v, causal=causal, return_lse=True)
+    fns = {
+        ("forward", "torch sdpa"): lambda: F.scaled_dot_product_attention(
+            tq, tk, tv, is_causal=causal),
+        ("forward", "flashlab cpu"): lambda: cpu.attention(
+            q, k, v, causal=causal),
+        ("forward", "cpu 64x64 tiles"): lambda: cpu.attention(
+            q, k, v, causal=causal, block_q=64, block_k=64),
+        ("forward", "cpu products only"): lambda: cpu.products_only(
+            q, k, v, causal=causal),
+        ("backward", "torch sdpa"): lambda: torch.autograd.grad(
+            out, (tq, tk, tv), torch.from_numpy(do), retain_graph=True),
+        ("backward", "flashlab cpu"): lambda: cpu.attention_backward(
+            q, k, v, o, lse, do, causal=causal),
+    }
+    times = {key: [] for key in fns}
+    for fn in fns.values():
+        fn()  # compile and warm up
+    for _ in range(reps):  # interleaved: drift hits all alike
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - t0) * 1e3)
+    b, h, n, d = q.shape
     rows = []
-    for step, causal in enumerate((False, True), 1):
-        _progress(step, 2, f"cpu N={n} causal={causal}")
-        rows += timed(causal)
-    print(file=sys.stderr)
+    for (pass_, name), ts in times.items():
+        ms = statistics.median(ts)
+        base = statistics.median(times[(pass_, "torch sdpa")])
+        rows.append(_row(f"cpu x{threads}", name, pass_, causal, b, h, n, d,
+                         ms, _flops(b, h, n, d, causal, pass_ == "backward"),
+                         base / ms))
     return rows
+
+
+def cpu_settings():
+    """One line: the CPU threads and BLAS kernels the CPU bench ran on."""
+    import ctypes
+
+    import numba
+    import torch
+
+    from flashlab import blas
+
+    core = "none"
+    if blas.available:
+        name = blas._lib.scipy_openblas_get_corename64_
+        name.restype = ctypes.c_char_p
+        core = name().decode()
+    return (f"threads: torch {torch.get_num_threads()}, numba "
+            f"{numba.get_num_threads()} ({numba.threading_layer()}); "
+            f"OpenBLAS {core} kernels, 1 thread inside numba's; "
+            f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '')}")
 
 
 def _row(device, impl, pass_, causal, b, h, n, d, ms, flops, ratio):
@@ -464,8 +515,10 @@ def main(argv=None):
         rows += gpu_rows(sizes, lambda n: 5 if n > 8192 else 20, versions)
         if not args.quick:
             memory = gpu_memory()
+    settings = None
     if args.cpu:
         rows += cpu_rows(reps=3 if args.quick else 5)
+        settings = cpu_settings()
     with open(os.path.join(args.out, "bench.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
@@ -476,6 +529,8 @@ def main(argv=None):
         matplotlib.use("Agg")  # a file, not a window
         plot(rows).savefig(os.path.join(args.out, "bench.png"), dpi=120)
     print(table(rows))
+    if settings:
+        print(settings)
     if memory:
         print(f"memory: forward at N={memory['n']}, B*H={memory['bh']}, "
               f"d={memory['d']}, causal: peak {memory['peak_gib']:.3f} GiB "

@@ -108,6 +108,39 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
 
 
+def products_only(q, k, v, *, causal=False, block_q=None, block_k=None):
+    """The forward's tile products alone, with no softmax between them:
+    what the BLAS calls of `attention` cost by themselves (chapter 9)."""
+    q3, k3, v3, _, plan, a = kernel_args.flatten(q, k, v, dict(
+        block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
+        scale=None, causal=causal, mask=None, window=None, kv_lengths=None,
+        dropout_p=0.0, seed=None))
+    with blas.one_thread():
+        _products(*(np.ascontiguousarray(x) for x in (q3, k3, v3)),
+                  plan.block_q, plan.block_k, a.rules, a.kv_len)
+
+
+@njit(parallel=True)
+def _products(q, k, v, block_q, block_k, r, kv_len):
+    bh, nq, d = q.shape
+    nk, d_v = v.shape[1], v.shape[2]
+    n_blocks = (nq + block_q - 1) // block_q
+    for t in prange(bh * n_blocks):
+        b = t // n_blocks
+        i0 = (t % n_blocks) * block_q
+        br = min(block_q, nq - i0)
+        acc = np.zeros((br, d_v), dtype=q.dtype)
+        s = np.zeros((br, block_k), dtype=q.dtype)
+        for j0 in range(0, nk, block_k):
+            bc = min(block_k, nk - j0)
+            if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
+                continue
+            blas.gemm(False, True, br, bc, d, r.scale, q[b, i0:i0 + br],
+                      k[b, j0:j0 + bc], 0, s)
+            blas.gemm(False, False, br, d_v, bc, 1, s, v[b, j0:j0 + bc], 1,
+                      acc)
+
+
 def _default(block, size):
     """A block size as given, or the CPU default when None."""
     return size if block is None else block

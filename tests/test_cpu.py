@@ -1,5 +1,8 @@
 """The numba CPU kernels against the reference and the tiled path."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -115,3 +118,27 @@ def test_default_tiles_cover_long_rows(rng):
     o_ref = reference.attention(q, k, v, causal=True)
     err_naive = max_abs_err(reference.naive(q, k, v, causal=True), o_ref)
     assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, 3)
+
+
+def test_long_sequence_in_linear_memory():
+    # N = 32768: an (N, N) float32 matrix would be 4 GiB; the kernel keeps
+    # one score tile per thread. Measured in a fresh process by its peak
+    # resident memory before and after.
+    code = (
+        "import resource, numpy as np\n"
+        "from flashlab import cpu\n"
+        "rng = np.random.default_rng(0)\n"
+        "small = [rng.standard_normal((1, 300, 64), dtype=np.float32)] * 3\n"
+        "cpu.attention(*small, causal=True)\n"
+        "q, k, v = (rng.standard_normal((1, 32768, 64), dtype=np.float32)\n"
+        "           for _ in range(3))\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "o = cpu.attention(q, k, v, causal=True)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "assert np.isfinite(o).all()\n"
+        "print((after - before) * 1024)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=300, check=True)
+    grown = int(done.stdout.split()[-1])
+    io_bytes = 4 * 32768 * 64 * 4  # q, k, v and o
+    assert grown < 2 * io_bytes + 64 * 2**20  # not N^2 (4 GiB)
