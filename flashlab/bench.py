@@ -264,6 +264,47 @@ def _tensor_case(d, n, causal, reps, b, h):
     return rows
 
 
+def decode_rows(reps=20, b=2, h=8, d=64):
+    """Split-KV for decoding shapes: v3 unsplit, v3 with choose_splits'
+    count, and torch's memory-efficient kernel, float32, Nq = 1 and 16
+    rows per sequence against Nk = 4K to 128K keys."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import gpu
+
+    rows = []
+    plan = [(nq, nk) for nq in (1, 16) for nk in (4096, 32768, 131072)]
+    for step, (nq, nk) in enumerate(plan, 1):
+        _progress(step, len(plan), f"decode Nq={nq} Nk={nk}")
+        gen = torch.Generator(device="cuda").manual_seed(nk + nq)
+        q = torch.randn(b, h, nq, d, device="cuda", generator=gen)
+        k, v = (torch.randn(b, h, nk, d, device="cuda", generator=gen)
+                for _ in range(2))
+        splits = gpu.choose_splits(nq, nk, b * h, d, d)
+
+        def efficient(q=q, k=k, v=v):
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        timed = {
+            f"v3 nq={nq}": lambda q=q, k=k, v=v: gpu.attention(
+                q, k, v, version=3),
+            f"v3 nq={nq} {splits} splits": lambda q=q, k=k, v=v: (
+                gpu.attention(q, k, v, version=3, num_splits="auto")),
+            f"torch nq={nq}": efficient}
+        ms = {name: _gpu_time(fn, reps) for name, fn in timed.items()}
+        flops = b * h * costs.flops(nq, nk, d)
+        base = ms[f"torch nq={nq}"]
+        rows += [_row("gpu", name, "decode", False, b, h, nk, d, t, flops,
+                      base / t) for name, t in ms.items()]
+        del q, k, v
+        torch.cuda.empty_cache()
+    print(file=sys.stderr)
+    return rows
+
+
 def accuracy(n=4096, bh=4, d=64):
     """Max |O - O_64| of float32 ways of computing one attention.
 
@@ -489,6 +530,9 @@ def main(argv=None):
                     help="flashlab.gpu forward versions to time")
     ap.add_argument("--ceilings", action="store_true",
                     help="only measure the float32 and bandwidth roofs")
+    ap.add_argument("--decode", action="store_true",
+                    help="split-KV on decoding shapes (Nq 1, 16; Nk to "
+                         "128K) against torch")
     ap.add_argument("--tensor-cores", action="store_true",
                     help="bf16 and 3xTF32 forward (d = 64, 128) against "
                          "torch's flash, cuDNN and efficient kernels, "
@@ -505,6 +549,15 @@ def main(argv=None):
     rows, memory = [], None
     if args.tensor_cores:
         return tensor_main(args)
+    if args.decode:
+        rows = decode_rows()
+        with open(os.path.join(args.out, "decode.csv"), "w",
+                  newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        print(table(rows))
+        return rows
     if not args.no_gpu:
         import torch
 

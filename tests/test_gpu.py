@@ -123,6 +123,41 @@ def test_dropout_matches_the_cpu_path(rng):
     assert max_abs_err(got, want) < 1e-5  # same mask, float32 rounding
 
 
+SPLIT_CASES = [
+    dict(),
+    dict(causal=True),
+    dict(kv_lengths=np.array([40, 0])),
+    dict(window=(20, 5), causal="bottom_right", dropout_p=0.2, seed=4),
+]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="simulator sizes; see -m gpu")
+@pytest.mark.parametrize("opts", SPLIT_CASES)
+def test_simulator_split_kv(rng, opts):
+    # 3 rows against 5 key tiles of 32: splits of 1 to 7 (some empty)
+    q, k, v = qkv(rng, (2,), 3, 150, 16, 16, dtype=np.float32)
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
+    err_naive = max_abs_err(reference.naive(q, k, v, **opts), o_ref)
+    for splits in (2, 3, 7):
+        o, lse = gpu.attention(q, k, v, version=3, num_splits=splits,
+                               return_lse=True, **opts)
+        # each split merges its own tiles, the combine one more per split
+        assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref,
+                                                       5 + splits)
+        finite = np.isfinite(lse_ref)
+        assert np.array_equal(finite, np.isfinite(lse))
+        assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-5
+
+
+def test_choose_splits_fills_the_gpu():
+    # decoding: one query block per head, 16 heads, long keys -> splits
+    # until 132 SMs x 4 blocks are busy, never under 4 tiles per split
+    assert gpu.choose_splits(1, 131072, 16, 64, 64, sms=132) == 33
+    assert gpu.choose_splits(1, 1024, 16, 64, 64, sms=132) == 8
+    assert gpu.choose_splits(4096, 4096, 16, 64, 64, sms=132) == 1
+    assert gpu.choose_splits(1, 64, 1, 64, 64, sms=132) == 1
+
+
 def test_bad_input():
     x = np.zeros((4, 16), np.float32)
     with pytest.raises(TypeError, match="q: expected a dtype in"):
@@ -135,6 +170,10 @@ def test_bad_input():
         gpu.attention(x, x, x, version=5)
     with pytest.raises(ValueError, match=r"q: v6 runs head dims \(64, 128\)"):
         gpu.attention(x, x, x, version=6)
+    with pytest.raises(ValueError, match="num_splits: this backend"):
+        gpu.attention(x, x, x, version=4, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits: expected"):
+        gpu.attention(x, x, x, version=3, num_splits=0)
     with pytest.raises(ValueError, match="precision: only v6"):
         gpu.attention(x, x, x, precision="tf32")
     y = np.zeros((4, 64), np.float32)
@@ -205,6 +244,26 @@ def test_gpu_torch_tensors_in_place_and_autograd(rng):
         e_torch = float((theirs.double() - truth).abs().max())
         floor = 8 * np.finfo(np.float32).eps * float(truth.abs().max())
         assert e_mine <= max(2 * e_torch, floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", SPLIT_CASES)
+def test_gpu_split_kv_decoding(rng, opts):
+    q, k, v = qkv(rng, (2, 8), 5, 3000, 64, 64, dtype=np.float32)
+    if "kv_lengths" in opts:
+        opts = dict(kv_lengths=np.array([[3000] * 8, [1000] * 8]))
+    for splits in (4, "auto"):
+        check_forward_split(q, k, v, splits, **opts)
+
+
+def check_forward_split(q, k, v, splits, **opts):
+    o, lse = gpu.attention(q, k, v, version=3, num_splits=splits,
+                           return_lse=True, **opts)
+    o_ref = reference.attention(q, k, v, **opts)
+    err_naive = max_abs_err(reference.naive(q, k, v, **opts), o_ref)
+    tiles = -(-k.shape[-2] // 32)
+    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref,
+                                                   tiles + 64)
 
 
 @pytest.mark.gpu

@@ -40,7 +40,7 @@ from flashlab.gpu.build import compile_ptx, kernel, kernel_names, supports
 __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
            "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS",
            "FLOAT32_VERSIONS", "HALF_VERSIONS", "TENSOR_CORE_VERSIONS",
-           "PRECISIONS"]
+           "PRECISIONS", "SPLIT_VERSIONS", "choose_splits"]
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
             5: forward_v5, 6: forward_v6}
@@ -48,6 +48,7 @@ VERSIONS = tuple(FORWARDS)
 FLOAT32_VERSIONS = (1, 2, 3, 4, 6)  # take float32 inputs
 HALF_VERSIONS = (5,)  # take bf16 or float16 inputs
 TENSOR_CORE_VERSIONS = (5, 6)  # inline PTX: a GPU, never the simulator
+SPLIT_VERSIONS = (3,)  # take num_splits > 1 (split-KV), or "auto"
 PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
 DEFAULT_VERSION = 3  # float32 without tensor cores (bench_h200, simulator)
 ORDERS = ("fa2",)  # the loop order the forward kernels run
@@ -78,14 +79,19 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     picks v5 for bf16/float16 and, for float32, v6 (3xTF32: float32
     accuracy on the tensor cores, 2-3x v3 on the H200) where it runs,
     else DEFAULT_VERSION; precision ("3xtf32" or "tf32") belongs to v6.
+    num_splits > 1 (or "auto": `choose_splits`) runs split-KV, on v3.
     Each version fixes its tile sizes
     (`tile_shape`): block_q and block_k may only restate them.
     """
     tiled.check_order(order, ORDERS)
-    tiled.check_splits(num_splits, supported=1)
     return_lse = check_flag("return_lse", return_lse)
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
     version = _check_version(version, dtype, d, d_v)
+    if num_splits == "auto" and version in SPLIT_VERSIONS:
+        num_splits = choose_splits(q.shape[-2], k.shape[-2],
+                                   int(np.prod(q.shape[:-2])), d, d_v)
+    splits = tiled.check_splits(
+        num_splits, supported=None if version in SPLIT_VERSIONS else 1)
     name = _forward_name(version, dtype, precision, d, d_v)
     br, bc, threads = FORWARDS[version].shape(d, d_v)
     _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
@@ -95,7 +101,10 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     o, o_k = call.empty((call.bh, call.nq, d_v), dtype)
     lse, lse_k = call.empty((call.bh, call.nq))
     vk = call.to_kernel(v, (call.bh, call.nk, d_v))
-    if call.bh and call.nq:
+    if splits > 1 and call.bh and call.nq:
+        _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits)
+        call.finish(o_k, lse_k, vk)
+    elif call.bh and call.nq:
         arrays = [call.to_kernel(q, (call.bh, call.nq, d)),
                   call.to_kernel(k, (call.bh, call.nk, d)), vk, o_k, lse_k]
         if version in TENSOR_CORE_VERSIONS:  # they apply the rule of
@@ -111,6 +120,50 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     o = call.result(o, (*call.batch, call.nq, d_v))
     return ((o, call.result(lse, (*call.batch, call.nq))) if return_lse
             else o)
+
+
+def choose_splits(nq, nk, bh, d, d_v, sms=None):
+    """Split count for v3 at this shape: enough blocks to fill the GPU.
+
+    v3 fits BLOCKS_PER_SM blocks on a multiprocessor (registers capped at
+    128, its shared memory); a launch of fewer blocks than sms times that
+    leaves multiprocessors idle, as decoding does (Nq of 1 to 16 rows: one
+    query block per head). Splitting the keys multiplies the blocks; no
+    split gets fewer than 4 key tiles, whose partial results the combine
+    step would otherwise spend more on than they save. See chapter 11.
+    """
+    if sms is None:
+        sms = _multiprocessors()
+    br, bc = tile_shape(3, d, d_v)
+    blocks = math.ceil(nq / br) * bh
+    tiles = math.ceil(nk / bc)
+    want = math.ceil(sms * forward_v3.BLOCKS_PER_SM / max(blocks, 1))
+    return max(1, min(want, tiles // 4))
+
+
+def _multiprocessors():
+    """Multiprocessors of the current GPU (132 on an H200)."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return 132
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
+    """Split-KV: partial results of `splits` key ranges, then combined."""
+    br = tile_shape(3, d, d_v)[0]
+    parts, parts_k = call.empty((splits * call.bh, call.nq, d_v))
+    lses, lses_k = call.empty((splits * call.bh, call.nq))
+    kernel(name, d, d_v)[
+        (math.ceil(call.nq / br), call.bh, splits), device.THREADS,
+        call.stream](call.to_kernel(q, (call.bh, call.nq, d)),
+                     call.to_kernel(k, (call.bh, call.nk, d)), vk, parts_k,
+                     lses_k, *call.args)
+    device.combine_splits[
+        (math.ceil(call.nq * d_v / device.THREADS), call.bh),
+        device.THREADS, call.stream](parts_k, lses_k, o_k, lse_k,
+                                     call.args[0].lowest)
 
 
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,

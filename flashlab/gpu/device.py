@@ -243,6 +243,32 @@ def store_row(o, lse, b, i, acc, m, l, d_v):
 
 
 @cuda.jit
+def combine_splits(o_parts, lse_parts, o, lse, lowest):
+    """Split-KV's partial (out, lse), S x BH rows, into o, lse (BH rows).
+
+    One thread per output element folds the S partial results of its row
+    as `merge.combine` does: each is a summary (m = lse_s, l = 1, u =
+    out_s), merged with `merge.row_step` one after another.
+    """
+    b = cuda.blockIdx.y
+    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    bh, nq, d_v = o.shape
+    if e >= nq * d_v:
+        return
+    i, x = e // d_v, e % d_v
+    m, l, u = NEG_INF, F0, F0
+    for s in range(o_parts.shape[0] // bh):
+        lse_s = lse_parts[s * bh + b, i]
+        m, shift, alpha = row_step(m, lse_s, lowest)
+        w = math.exp(lse_s - shift)  # this split's weight, l_s = 1
+        l = alpha * l + w
+        u = alpha * u + w * o_parts[s * bh + b, i, x]
+    o[b, i, x] = u / l if l != F0 else F0  # an empty row stays 0
+    if x == 0:
+        lse[b, i] = m + math.log(l) if l != F0 else NEG_INF
+
+
+@cuda.jit
 def row_dot(do, o, delta):
     """D_i = rowsum(dO_i * O_i), one thread per row."""
     b = cuda.blockIdx.y

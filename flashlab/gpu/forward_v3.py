@@ -5,6 +5,11 @@ BC keys (`device.tiles`). Each thread computes an RM x CN piece of
 S_ij = Q_i K_j^T in registers, so every value it loads from SRAM feeds
 several multiply-adds, and keeps RM rows of the output. The tile goes to
 SRAM, where one thread per row finds the maximum, exponentiates and sums.
+
+Split-KV: a grid with gridDim.z = S splits the keys into S ranges of
+whole tiles; block z writes the partial (out, lse) of its range to row
+block z of o and lse (S x BH rows), and `device.combine_splits` joins
+them. With S = 1 this is the plain kernel. See chapter 11.
 """
 
 import math
@@ -29,6 +34,7 @@ from flashlab.gpu.device import (
 # block in four no longer fits. Capped, nothing spills to local memory
 # (flashlab/data/resources_h200.txt) and v3 runs faster (bench_h200).
 MAX_REGISTERS = 128
+BLOCKS_PER_SM = 4  # what that cap buys (65536 / (128 x THREADS))
 
 
 def shape(d, d_v):
@@ -71,7 +77,11 @@ def make(D, D_V):
             for c in range(OC):
                 acc[a, c] = F0
         cuda.syncthreads()  # Q_i and the row state exist before tile 0
-        for j0 in range(0, nk, BC):
+        # this block's key range: whole tiles, split z of gridDim.z
+        per = (nk + BC * cuda.gridDim.z - 1) // (BC * cuda.gridDim.z) * BC
+        out = cuda.blockIdx.z * q.shape[0] + b  # its row block of o, lse
+        for j0 in range(cuda.blockIdx.z * per,
+                        min(nk, (cuda.blockIdx.z + 1) * per), BC):
             if not open_tile(s, qa, q_s, k_s, v_s, k, v, b, i0, i1, j0, nq,
                              rules, kv_len, mask, t, BC, RM, CN, D, D_V):
                 continue
@@ -105,10 +115,10 @@ def make(D, D_V):
             if i0 + r < nq:
                 l = l_s[r]  # only l == 0 means "no key"; NaN stays NaN
                 for c in range(OC):
-                    o[b, i0 + r, tx + TX * c] = (acc[a, c] / l if l != F0
-                                                 else F0)
+                    o[out, i0 + r, tx + TX * c] = (acc[a, c] / l
+                                                   if l != F0 else F0)
         if t < BR and i0 + t < nq:
             l = l_s[t]
-            lse[b, i0 + t] = m_s[t] + math.log(l) if l != F0 else NEG_INF
+            lse[out, i0 + t] = m_s[t] + math.log(l) if l != F0 else NEG_INF
 
     return forward_v3
