@@ -1,7 +1,8 @@
 """Stored measurements that the chapters read, shipped inside the package.
 
 The benchmark tables and ceilings in `flashlab/data/` were measured with
-`python -m flashlab.bench` (tensor_h200: `--tensor-cores`), the registers
+`python -m flashlab.bench` (tensor_h200: `--tensor-cores`, decode_h200:
+`--decode`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or
 "machine" field names. They are read through importlib.resources, so a
@@ -16,7 +17,8 @@ from importlib import resources
 
 FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt",
-         "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt")
+         "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt",
+         "decode_h200.csv")
 
 
 def text(name):
