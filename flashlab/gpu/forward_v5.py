@@ -11,9 +11,9 @@ and O accumulate in float32; the output is rounded to the input's dtype.
 """
 
 
-from numba import cuda, float32, int16, int32, int64
+from numba import cuda, float32, int16, int32
 
-from flashlab.gpu.device import F0, NAN, NEG_INF, tile_full
+from flashlab.gpu.device import F0, NAN, NEG_INF
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -27,20 +27,17 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     BR,
-    LOG2E,
     THREADS,
     a_from_c,
     ldmatrix_a,
     ldmatrix_b_offset,
     ldmatrix_b_trans_offset,
     load_tile16,
-    mask_scores,
-    note_allowed,
-    online_softmax,
     rescale,
     row_end,
     swizzled_offset,
     tile_range,
+    tile_softmax,
 )
 
 BC = 64  # keys per K/V tile
@@ -83,7 +80,6 @@ def make(D, D_V, kind="bf16"):
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
-        scale2 = rules.scale * LOG2E  # scores in log2 units: exp2 below
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
         # SRAM tiles by address: cp.async and ldmatrix add offsets to these
         q_at, k_at = shared_address(q_s, 0), shared_address(k_s, 0)
@@ -133,16 +129,8 @@ def make(D, D_V, kind="bf16"):
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
                 load_tile16(k_at, k, b, j0 + BC, BC, D, t)
                 cp_async_commit()
-            for n in range(NS):
-                for x in range(4):
-                    sf[n, x] *= scale2
-            bits = int64(-1)  # every pair of a full tile is allowed
-            if rules.use_mask or j0 + BC > nk or not tile_full(
-                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
-                bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len,
-                                   mask, NS)
-            note_allowed(seen, bits, NS)
-            online_softmax(sf, m, l, al, NS, b, row, j0, rules)
+            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
+                         nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
             rescale(of, al, NO)
             # O_i += P_ij V_j: P's C fragments are P V's A fragments
             for kp in range(NS // 2):

@@ -17,9 +17,9 @@ hits after the first tile) and P goes through a per-warp SRAM tile.
 """
 
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32
 
-from flashlab.gpu.device import F0, NAN, NEG_INF, inline, tile_full
+from flashlab.gpu.device import F0, NAN, NEG_INF, inline
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -29,15 +29,12 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     BR,
-    LOG2E,
     THREADS,
     WARPS,
     load_tile32,
-    mask_scores,
-    note_allowed,
-    online_softmax,
     row_end,
     tile_range,
+    tile_softmax,
 )
 
 HEAD_DIMS = (64, 128)
@@ -107,7 +104,6 @@ def make(D, D_V, precision="3xtf32"):
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + g  # this lane's first row
         r0, r1 = min(row, nq - 1), min(row + 8, nq - 1)  # rows it reads
-        scale2 = rules.scale * LOG2E  # scores in log2 units
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
         k_at, v_at = shared_address(k_s, 0), shared_address(v_s, 0)
         if first <= last:  # HBM -> SRAM: the first K tile (Bc d)
@@ -146,16 +142,8 @@ def make(D, D_V, precision="3xtf32"):
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
                 load_tile32(k_at, k, b, j0 + BC, BC, D, SK, t)
                 cp_async_commit()
-            for n in range(NS):
-                for x in range(4):
-                    sf[n, x] *= scale2
-            bits = int64(-1)  # every pair of a full tile is allowed
-            if rules.use_mask or j0 + BC > nk or not tile_full(
-                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
-                bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len,
-                                   mask, NS)
-            note_allowed(seen, bits, NS)
-            online_softmax(sf, m, l, al, NS, b, row, j0, rules)
+            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
+                         nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
             # registers -> SRAM: P_ij, (16, Bc) per warp, for its A operand
             for n in range(NS):
                 for x in range(4):

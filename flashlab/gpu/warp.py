@@ -20,6 +20,7 @@ from flashlab.gpu.device import (
     allowed,
     dropout_weight,
     inline,
+    tile_full,
     tile_skipped,
 )
 from flashlab.gpu.intrinsics import (
@@ -224,6 +225,29 @@ def rescale(of, al, tiles):
     for n in range(tiles):
         for e in range(4):
             of[n, e] *= al[e >> 1]
+
+
+@inline
+def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
+                 rules, kv_len, mask):
+    """One K/V tile's S fragments -> P, for v5 and v6 alike.
+
+    Scores go to log2 units (tau log2 e, so every term is one exp2), pairs
+    are masked only in tiles that are not wholly allowed, `seen` notes the
+    rows that met an allowed key, and the online softmax updates m, l and
+    alpha (al) and leaves P in sf.
+    """
+    scale2 = rules.scale * LOG2E
+    for n in range(tiles):
+        for x in range(4):
+            sf[n, x] *= scale2
+    bits = int64(-1)  # every pair of a full tile is allowed
+    if rules.use_mask or j0 + bc > nk or not tile_full(
+            i0, i1, j0, j0 + bc, rules, kv_len[b]):
+        bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
+                           tiles)
+    note_allowed(seen, bits, tiles)
+    online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
 
 
 @cuda.jit
