@@ -1,6 +1,7 @@
 """Benchmarks: flashlab against torch on the same inputs, in one run.
 
     python -m flashlab.bench [--cpu] [--no-gpu] [--quick] [--out DIR]
+    python -m flashlab.bench --tensor-cores | --decode | --ring
 
 GPU (float32, B=2, H=8, d=64, N = 1024, 4096, 16384, causal and not):
 forward TFLOP/s of each flashlab.gpu version, of torch's memory-efficient
@@ -537,6 +538,9 @@ def main(argv=None):
                     help="bf16 and 3xTF32 forward (d = 64, 128) against "
                          "torch's flash, cuDNN and efficient kernels, "
                          "with accuracy and the tensor-core roofs")
+    ap.add_argument("--ring", action="store_true",
+                    help="ring attention over NCCL on every GPU here "
+                         "against one GPU (see flashlab.bench_ring)")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -549,6 +553,10 @@ def main(argv=None):
     rows, memory = [], None
     if args.tensor_cores:
         return tensor_main(args)
+    if args.ring:
+        from flashlab import bench_ring
+
+        return bench_ring.main(args.out, machine())
     if args.decode:
         rows = decode_rows()
         with open(os.path.join(args.out, "decode.csv"), "w",

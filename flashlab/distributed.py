@@ -14,8 +14,8 @@ Layouts: "contiguous" gives rank r the r-th slice of the sequence; under
 a causal mask rank 0 then has almost nothing to do and the last rank
 everything. "zigzag" cuts the sequence into 2 world chunks and gives rank
 r chunks r and 2 world - 1 - r, which balances the causal work exactly.
-`split` lays a sequence out, `join` puts it back. Runs on gloo (CPU
-tensors); see chapter 11.
+`split` lays a sequence out, `join` puts it back. Runs on gloo with CPU
+tensors and on NCCL with CUDA tensors; see chapter 11.
 """
 
 import os
@@ -85,18 +85,31 @@ def ring_attention(q, k, v, *, causal=False, scale=None,
     """This rank's rows of exact attention over the whole ring's sequence.
 
     q (..., n, d), k (..., n, d), v (..., n, d_v): this rank's slice, as
-    `split` lays it out; every rank passes the same shapes. Returns this
-    rank's output rows (..., n, d_v), differentiable in q, k and v.
+    `split` lays it out; every rank passes the same shapes. CPU tensors
+    (float32, float64) need a gloo group and run `flashlab.tiled`; CUDA
+    tensors (float32, bfloat16, float16) need NCCL and run
+    `flashlab.gpu`. Returns this rank's output rows (..., n, d_v),
+    differentiable in q, k and v.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu":
+        if not isinstance(x, torch.Tensor) or x.device != getattr(
+                q, "device", None):
             raise TypeError(
-                f"{name}: expected a CPU torch.Tensor (gloo), got "
+                f"{name}: expected a torch.Tensor on q's device, got "
                 f"{type(x).__name__}" + (f" on {x.device}" if isinstance(
                     x, torch.Tensor) else ""))
+    local = _LOCAL.get(q.device.type)
+    if local is None or q.dtype not in local.dtypes:
+        raise TypeError(f"q: expected a CPU tensor of {_CPU.dtypes} or a "
+                        f"CUDA tensor of {_Cuda.dtypes}, got {q.dtype} "
+                        f"on {q.device}")
     if not dist.is_initialized():
         raise RuntimeError("ring_attention needs torch.distributed: call "
                            "dist.init_process_group first")
+    backend = dist.get_backend(group)
+    if backend != local.backend:
+        raise ValueError(f"group: expected a {local.backend} process group "
+                         f"for {q.device.type} tensors, got {backend}")
     _check_layout(layout)
     return _Ring.apply(q, k, v, bool(causal), scale, layout, group)
 
@@ -107,28 +120,27 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, layout, group):
         ring = _Peers(group, q.shape[-2], layout)
+        local = _LOCAL[q.device.type]
         k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()
-        qn = q.detach().numpy()
-        o = lse = None
+        q = q.detach()
+        # the merge identity: every row starts as "no key seen yet"
+        o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=local.wide(
+            q.dtype), device=q.device)
+        lse = torch.full(q.shape[:-1], -torch.inf, dtype=o.dtype,
+                         device=q.device)
         for step in range(ring.world):
             if step < ring.world - 1:  # next slice travels while we work
                 pending = ring.pass_on(k_cur, v_cur)
-            mask = ring.mask(step, causal)
-            if mask is None or mask.any():  # else: no pair to compute
-                o_s, lse_s = tiled.attention(
-                    qn, k_cur.numpy(), v_cur.numpy(), scale=scale,
-                    mask=mask, return_lse=True)
-                if o is None:
-                    o, lse = o_s, lse_s
-                else:
-                    o, lse = merge.combine(np.stack([o, o_s]),
-                                           np.stack([lse, lse_s]))
+            for rows, cols, flag in ring.pieces(step, causal):
+                o_s, lse_s = local.forward(
+                    q[..., rows, :], k_cur[..., cols, :],
+                    v_cur[..., cols, :], scale=scale, causal=flag)
+                o[..., rows, :], lse[..., rows] = local.combine(
+                    torch.stack([o[..., rows, :], o_s.to(o.dtype)]),
+                    torch.stack([lse[..., rows], lse_s.to(o.dtype)]))
             if step < ring.world - 1:
                 k_cur, v_cur = ring.receive(pending)
-        if o is None:  # this rank's queries met no allowed key at all
-            o = np.zeros((*q.shape[:-1], v.shape[-1]), qn.dtype)
-            lse = np.full(q.shape[:-1], -np.inf, qn.dtype)
-        o, lse = torch.from_numpy(o), torch.from_numpy(lse)
+        o = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.options = (causal, scale, layout, group)
         return o
@@ -138,21 +150,25 @@ class _Ring(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         causal, scale, layout, group = ctx.options
         ring = _Peers(group, q.shape[-2], layout)
-        qn, on, lsen = q.numpy(), o.numpy(), lse.numpy()
-        don = do.contiguous().numpy()
-        dq = np.zeros_like(qn)
+        local = _LOCAL[q.device.type]
+        wide = local.wide(q.dtype)  # the backward runs at this width
+        q, o, do = (x.to(wide).contiguous() for x in (q, o, do))
+        dq = torch.zeros_like(q)
+        # K/V travel at their own width, their gradients at the wide one
         k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()
-        dk_cur, dv_cur = torch.zeros_like(k_cur), torch.zeros_like(v_cur)
+        dk_cur, dv_cur = (torch.zeros_like(x, dtype=wide)
+                          for x in (k_cur, v_cur))
         for step in range(ring.world):
-            mask = ring.mask(step, causal)
-            if mask is None or mask.any():
-                # the global o and lse make each slice's share exact
-                g_q, g_k, g_v = tiled.attention_backward(
-                    qn, k_cur.numpy(), v_cur.numpy(), on, lsen, don,
-                    scale=scale, mask=mask)
-                dq += g_q
-                dk_cur += torch.from_numpy(g_k)
-                dv_cur += torch.from_numpy(g_v)
+            for rows, cols, flag in ring.pieces(step, causal):
+                # the global o and lse make each piece's share exact
+                g_q, g_k, g_v = local.backward(
+                    q[..., rows, :], k_cur[..., cols, :].to(wide),
+                    v_cur[..., cols, :].to(wide), o[..., rows, :],
+                    lse[..., rows], do[..., rows, :], scale=scale,
+                    causal=flag)
+                dq[..., rows, :] += g_q
+                dk_cur[..., cols, :] += g_k
+                dv_cur[..., cols, :] += g_v
             # K/V and their gradients move on; the last hop takes the
             # gradients home to the slice's own rank
             tensors = ((k_cur, v_cur, dk_cur, dv_cur)
@@ -162,7 +178,124 @@ class _Ring(torch.autograd.Function):
                 k_cur, v_cur, dk_cur, dv_cur = got
             else:
                 dk_cur, dv_cur = got
-        return torch.from_numpy(dq), dk_cur, dv_cur, None, None, None, None
+        return (dq.to(k.dtype), dk_cur.to(k.dtype), dv_cur.to(k.dtype),
+                None, None, None, None)
+
+
+def pieces(pos_q, pos_k, causal):
+    """The work between query rows at pos_q and keys at pos_k.
+
+    A list of (rows, cols, flag): slices of the two and the mask between
+    them, flag False for every pair, True for the causal triangle of a
+    run of positions against itself; pairs the causal mask forbids are
+    left out. Both layouts cut the sequence into equal chunks, so a run
+    of consecutive query positions and a run of key positions are either
+    the same chunk or wholly ordered: these cases cover every pair
+    without building an (n, n) mask.
+    """
+    whole = slice(0, len(pos_q)), slice(0, len(pos_k))
+    if not causal:
+        return [(*whole, False)]
+    out = []
+    for rows in _runs(pos_q):
+        for cols in _runs(pos_k):
+            q0, q1 = pos_q[rows.start], pos_q[rows.stop - 1]
+            k0, k1 = pos_k[cols.start], pos_k[cols.stop - 1]
+            if k1 <= q0:  # every key before every query
+                out.append((rows, cols, False))
+            elif (k0, k1) == (q0, q1):
+                out.append((rows, cols, True))
+            elif k0 <= q1:
+                raise ValueError(
+                    f"pos_k: runs must be equal to or apart from the query"
+                    f" runs, got keys {k0}..{k1} against {q0}..{q1}")
+    return out
+
+
+def _runs(pos):
+    """Slices of the maximal runs of consecutive values in pos."""
+    breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+    edges = [0, *breaks.tolist(), len(pos)]
+    return [slice(a, b) for a, b in zip(edges[:-1], edges[1:])]
+
+
+class _CPU:
+    """Local work on CPU tensors: the tiled numpy path, over gloo."""
+
+    backend = "gloo"
+    dtypes = (torch.float32, torch.float64)
+
+    @staticmethod
+    def wide(dtype):
+        return dtype
+
+    @staticmethod
+    def forward(q, k, v, **options):
+        o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
+                                 **options)
+        return torch.from_numpy(o), torch.from_numpy(lse)
+
+    @staticmethod
+    def backward(*tensors, **options):
+        return [torch.from_numpy(g) for g in tiled.attention_backward(
+            *_numpy(*tensors), **options)]
+
+    @staticmethod
+    def combine(outs, lses):
+        o, lse = merge.combine(outs.numpy(), lses.numpy())
+        return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+class _Cuda:
+    """Local work on CUDA tensors: flashlab.gpu's kernels, over NCCL.
+
+    Partial outputs stay float32 whatever the inputs: each rank merges
+    world of them, and the backward kernels run in float32.
+    """
+
+    backend = "nccl"
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+
+    @staticmethod
+    def wide(dtype):
+        return torch.float32
+
+    @staticmethod
+    def forward(q, k, v, **options):
+        from flashlab import gpu
+
+        with _on_gpu(q):
+            return gpu.attention(q, k, v, return_lse=True, **options)
+
+    @staticmethod
+    def backward(*tensors, **options):
+        from flashlab import gpu
+
+        with _on_gpu(tensors[0]):
+            return gpu.attention_backward(*tensors, **options)
+
+    @staticmethod
+    def combine(outs, lses):
+        from flashlab import gpu
+
+        with _on_gpu(outs):
+            return gpu.combine(outs, lses)
+
+
+_LOCAL = {"cpu": _CPU, "cuda": _Cuda}
+
+
+def _on_gpu(x):
+    """numba's context for the GPU that holds x (a process may see
+    several; torch and numba must launch on the same one)."""
+    from numba import cuda
+
+    return cuda.gpus[x.device.index]
+
+
+def _numpy(*tensors):
+    """numpy views of CPU tensors (contiguous copies where sliced)."""
+    return [t.detach().contiguous().numpy() for t in tensors]
 
 
 class _Peers:
@@ -186,12 +319,10 @@ class _Peers:
         return rank if self.group is None else dist.get_global_rank(
             self.group, rank)
 
-    def mask(self, step, causal):
-        """Allowed (query, key) pairs against the slice held at `step`."""
-        if not causal:
-            return None
+    def pieces(self, step, causal):
+        """`pieces` of this rank's queries and the slice held at `step`."""
         owner = (self.rank - step) % self.world
-        return _causal(self.pos[self.rank], self.pos[owner])
+        return pieces(self.pos[self.rank], self.pos[owner], causal)
 
     def pass_on(self, *tensors):
         """Send tensors to the next rank, receive their like from the

@@ -88,6 +88,29 @@ def test_split_and_join_are_inverse(rng):
                                         "zigzag"), t)
 
 
+@pytest.mark.parametrize("layout", distributed.LAYOUTS)
+def test_pieces_cover_the_causal_mask(layout):
+    # the pieces of every (rank, owner) pair rebuild its mask exactly,
+    # without an (n, n) mask anywhere in the ring
+    for world in (1, 2, 3, 4):
+        n = 2 * world * 3
+        for r in range(world):
+            for s in range(world):
+                pos_q = distributed.positions(r, world, n, layout)
+                pos_k = distributed.positions(s, world, n, layout)
+                got = np.zeros((pos_q.size, pos_k.size), int)
+                for rows, cols, flag in distributed.pieces(pos_q, pos_k,
+                                                           True):
+                    block = got[rows, cols]
+                    block += (np.tril(np.ones(block.shape, int)) if flag
+                              else 1)
+                assert np.array_equal(got, pos_k[None] <= pos_q[:, None])
+                assert distributed.pieces(pos_q, pos_k, False) == [
+                    (slice(0, pos_q.size), slice(0, pos_k.size), False)]
+    with pytest.raises(ValueError, match="pos_k: runs must be equal"):
+        distributed.pieces(np.arange(4), np.arange(2, 6), True)
+
+
 def test_zigzag_balances_causal_work():
     # contiguous: rank r computes (r + 1/2)/W of its rows' keys; zigzag:
     # every rank the same number of pairs
@@ -106,8 +129,66 @@ def test_bad_input():
         distributed.positions(0, 2, 8, "striped")
     with pytest.raises(ValueError, match="n: expected a multiple of 4"):
         distributed.positions(0, 2, 6, "zigzag")
-    with pytest.raises(TypeError, match="q: expected a CPU torch.Tensor"):
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
         distributed.ring_attention(np.zeros((4, 4)), x, x)
+    with pytest.raises(TypeError, match="q: expected a CPU tensor of"):
+        distributed.ring_attention(*(x.half(),) * 3)
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             distributed.ring_attention(x, x, x)
+
+
+# ------------------------------------------- NCCL on GPUs (pytest -m gpu)
+
+def _gpu_worker(rank, world, port, seed):
+    from flashlab import gpu
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(seed)
+        n, d = 96 * world, 64  # 48-row chunks: ragged against every tile
+        q, k, v, do = (rng.standard_normal((2, 3, n, d)) for _ in range(4))
+        dev = [torch.tensor(x, dtype=torch.float32, device="cuda")
+               for x in (q, k, v, do)]
+        for layout in distributed.LAYOUTS:
+            for causal in (False, True):
+                o64, lse64 = tiled.attention(q, k, v, causal=causal,
+                                             return_lse=True)
+                want = [o64, *tiled.attention_backward(
+                    q, k, v, o64, lse64, do, causal=causal)]
+                # the budget: the same kernels on the whole sequence on
+                # one GPU, twice their error, floored at 8 float32 ulps
+                o1, lse1 = gpu.attention(*dev[:3], causal=causal,
+                                         return_lse=True)
+                one = [o1, *gpu.attention_backward(
+                    *dev[:3], o1, lse1, dev[3], causal=causal)]
+                mine = [distributed.split(x, world, layout)[rank]
+                        .clone().requires_grad_() for x in dev[:3]]
+                out = distributed.ring_attention(*mine, causal=causal,
+                                                 layout=layout)
+                got = [out, *torch.autograd.grad(out, mine, distributed.split(
+                    dev[3], world, layout)[rank])]
+                for name, g, w, single in zip(("o", "dq", "dk", "dv"), got,
+                                              want, one):
+                    w_r = distributed.split(w, world, layout)[rank]
+                    s_r = distributed.split(single.cpu().numpy(), world,
+                                            layout)[rank]
+                    floor = 8 * 2.0**-23 * max(1.0, np.abs(w_r).max())
+                    budget = max(2 * np.max(np.abs(s_r - w_r)), floor)
+                    err = np.max(np.abs(g.detach().cpu().numpy() - w_r))
+                    assert not np.isnan(err) and err <= budget, (
+                        layout, causal, name, err, budget)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_ring_on_gpus_over_nccl():
+    # every GPU of the machine, one process each (a ring of one on a
+    # single GPU still runs the pieces, the kernels and the combine)
+    world = torch.cuda.device_count()
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"nccl ring seed {seed}, {world} GPUs")
+    mp.spawn(_gpu_worker, args=(world, _free_port(), seed), nprocs=world)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import SIMULATOR
 
-from flashlab import cpu, gpu, reference, tiled
+from flashlab import cpu, gpu, merge, reference, tiled
 from helpers import float32_budget, max_abs_err, qkv
 
 
@@ -147,6 +147,27 @@ def test_simulator_split_kv(rng, opts):
         finite = np.isfinite(lse_ref)
         assert np.array_equal(finite, np.isfinite(lse))
         assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-5
+
+
+def test_combine_matches_merge(rng):
+    # 4 splits of (2, 3) heads x 5 rows, one split empty in some rows,
+    # one row empty in every split; huge lses stress the shift
+    outs = rng.standard_normal((4, 2, 3, 5, 16)).astype(np.float32)
+    lses = (rng.standard_normal((4, 2, 3, 5)) * 30).astype(np.float32)
+    lses[1, 0, :, 2] = -np.inf
+    lses[:, 1, 2, 4] = -np.inf
+    lses[2, 1, 0] = 80.0
+    o, lse = gpu.combine(outs, lses)
+    o_ref, lse_ref = merge.combine(outs.astype(np.float64), lses)
+    assert max_abs_err(o, o_ref) < 1e-6 and not np.isnan(o).any()
+    assert np.array_equal(o[1, 2, 4], np.zeros(16))
+    assert lse[1, 2, 4] == -np.inf
+    finite = np.isfinite(lse_ref)
+    assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-5
+    with pytest.raises(TypeError, match="outs, lses: expected float32"):
+        gpu.combine(outs.astype(np.float64), lses)
+    with pytest.raises(ValueError, match=r"lses: expected shape \(4, 2"):
+        gpu.combine(outs, lses[:, :1])
 
 
 def test_choose_splits_fills_the_gpu():

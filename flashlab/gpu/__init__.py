@@ -40,7 +40,7 @@ from flashlab.gpu.build import compile_ptx, kernel, kernel_names, supports
 __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
            "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS",
            "FLOAT32_VERSIONS", "HALF_VERSIONS", "TENSOR_CORE_VERSIONS",
-           "PRECISIONS", "SPLIT_VERSIONS", "choose_splits"]
+           "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine"]
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
             5: forward_v5, 6: forward_v6}
@@ -164,6 +164,61 @@ def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
         (math.ceil(call.nq * d_v / device.THREADS), call.bh),
         device.THREADS, call.stream](parts_k, lses_k, o_k, lse_k,
                                      call.args[0].lowest)
+
+
+def combine(outs, lses):
+    """`merge.combine` on the GPU: outs (S, ..., d_v), lses (S, ...).
+
+    The partial results of S key ranges, float32 torch CUDA tensors (or
+    numpy arrays, copied), folded by the kernel split-KV uses; returns
+    (out (..., d_v), lse (...)) of the same kind. Ring attention merges
+    what reaches each GPU with it.
+    """
+    from numba import cuda
+
+    torch_in = type(outs).__module__.startswith("torch")
+    if str(getattr(outs, "dtype", "")).removeprefix("torch.") != "float32" \
+            or str(getattr(lses, "dtype", "")).removeprefix("torch.") \
+            != "float32":
+        raise TypeError(f"outs, lses: expected float32 arrays, got "
+                        f"{getattr(outs, 'dtype', type(outs).__name__)} "
+                        f"and {getattr(lses, 'dtype', type(lses).__name__)}")
+    shape = tuple(outs.shape)
+    if len(shape) < 3 or tuple(lses.shape) != shape[:-1] or not shape[0]:
+        raise ValueError(
+            f"lses: expected shape {shape[:-1]} (one per split and row of "
+            f"outs {shape}, at least one split), got {tuple(lses.shape)}")
+    splits, *batch, nq, d_v = shape
+    bh = int(np.prod(batch))
+    lowest = np.float32(np.finfo(np.float32).min)
+    if torch_in:
+        import torch
+
+        stream = cuda.external_stream(
+            torch.cuda.current_stream(outs.device).cuda_stream)
+        out = torch.empty(shape[1:], dtype=torch.float32,
+                          device=outs.device)
+        lse = torch.empty(shape[1:-1], dtype=torch.float32,
+                          device=outs.device)
+        views = [cuda.as_cuda_array(x.contiguous().view(s), sync=False)
+                 for x, s in ((outs, (splits * bh, nq, d_v)),
+                              (lses, (splits * bh, nq)),
+                              (out, (bh, nq, d_v)), (lse, (bh, nq)))]
+    else:
+        stream = 0
+        views = [cuda.to_device(np.ascontiguousarray(outs).reshape(
+                     splits * bh, nq, d_v)),
+                 cuda.to_device(np.ascontiguousarray(lses).reshape(
+                     splits * bh, nq)),
+                 cuda.device_array((bh, nq, d_v), np.float32),
+                 cuda.device_array((bh, nq), np.float32)]
+    if bh and nq and d_v:
+        device.combine_splits[(math.ceil(nq * d_v / device.THREADS), bh),
+                              device.THREADS, stream](*views, lowest)
+    if torch_in:
+        return out, lse
+    return (views[2].copy_to_host().reshape(shape[1:]),
+            views[3].copy_to_host().reshape(shape[1:-1]))
 
 
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
