@@ -5,6 +5,8 @@ import numbers
 
 import numpy as np
 
+from flashlab import heads
+
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -40,11 +42,7 @@ def check_qkv(q, k, v):
                 f"{name}: expected dtype {q.dtype} to match q, got "
                 f"{arr.dtype}"
             )
-        if arr.shape[:-2] != q.shape[:-2]:
-            raise ValueError(
-                f"{name}: expected leading dims {q.shape[:-2]} to match q, "
-                f"got {arr.shape[:-2]}"
-            )
+    heads.group_size(q.shape, k.shape, v.shape)  # equal or grouped heads
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(
             f"k: expected head dim d={q.shape[-1]} to match q, got "

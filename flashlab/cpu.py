@@ -52,7 +52,7 @@ _LN2 = math.log(2.0)
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              num_splits=1):
+              num_splits=1, align=None):
     """Numba CPU attention; keywords as tiled.attention: o (..., Nq, dv)."""
     tiled.check_order(order, ORDERS)
     tiled.check_splits(num_splits, supported=1)
@@ -61,7 +61,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
         block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
         scale=scale,
         causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
-        dropout_p=dropout_p, seed=seed))
+        dropout_p=dropout_p, seed=seed, align=align))
     bh, d_v = q3.shape[0], v3.shape[-1]
     o = np.empty((bh, plan.nq, d_v), dtype=q3.dtype)
     lse = np.empty((bh, plan.nq), dtype=q3.dtype)
@@ -78,14 +78,14 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2"):
+                       order="fa2", align=None):
     """Numba CPU gradients (dq, dk, dv); keywords as tiled's backward."""
     tiled.check_order(order)  # one backward loop follows either forward
     q3, k3, v3, batch, plan, a = kernel_args.flatten(q, k, v, dict(
         block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
         scale=scale,
         causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
-        dropout_p=dropout_p, seed=seed))
+        dropout_p=dropout_p, seed=seed, align=align))
     o, lse, do = tiled.check_saved(q, v, o, lse, do)
     bh, d_v = q3.shape[0], v3.shape[-1]
     do3 = np.ascontiguousarray(do.reshape(bh, plan.nq, d_v))

@@ -16,11 +16,12 @@ from flashlab.tiled import blocks, load_kv, load_q, score_tile
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
-              return_lse=False):
+              return_lse=False, align=None):
     """Three-kernel materialized attention; same arguments as tiled."""
     q, k, v, plan = tiled.plan(q, k, v, block_q=block_q, block_k=block_k,
                                scale=scale, causal=causal, mask=mask,
-                               window=window, kv_lengths=kv_lengths)
+                               window=window, kv_lengths=kv_lengths,
+                               align=align)
     rows = (*q.shape[:-2], plan.nq)
     s = np.empty((*rows, plan.nk), dtype=q.dtype)  # (..., Nq, Nk) in HBM
     prob = np.empty_like(s)  # (..., Nq, Nk) in HBM

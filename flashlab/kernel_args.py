@@ -53,10 +53,23 @@ def flatten(q, k, v, options):
 
     options are the keyword arguments of `tiled.plan`.
     """
+    shapes = [tuple(x.shape) for x in (q, k, v)]
     q, k, v, plan = tiled.plan(q, k, v, **options)
+    if shapes[1][:-2] != shapes[0][:-2] or shapes[2][:-2] != shapes[0][:-2]:
+        raise ValueError(
+            f"k: expected leading dims {shapes[0][:-2]} like q for the numba"
+            f" kernels, got {shapes[1][:-2]} (k) and {shapes[2][:-2]} (v);"
+            f" grouped or broadcast K/V heads run on flashlab.tiled and "
+            f"flashlab.torch's CPU path")
     batch = q.shape[:-2]
     bh = int(np.prod(batch))
     masks = plan.rules
+    if masks.bias is not None and np.any(masks.mask & (masks.bias != 0)):
+        raise ValueError(
+            "mask: a float mask with values other than 0 and -inf adds to "
+            "the scores, which the numba kernels do not; pass it to "
+            "flashlab.tiled (or flashlab.torch on the CPU), or a boolean "
+            "mask here")
     left, right = (-1 if w is None else w
                    for w in (masks.window or (None, None)))
     kv_len = np.full(batch, plan.nk, dtype=np.int64)

@@ -3,14 +3,18 @@
 Every backend asks this module, so the mask semantics live in one place.
 Query i may attend to key j when all of the given rules allow it:
 
-- causal: j <= i + offset, where offset is 0 for top-left alignment (as
-  torch's is_causal=True) and Nk - Nq for bottom-right alignment (the last
-  query sees the last key, as when decoding with a KV cache);
-- window=(left, right): i + offset - left <= j <= i + offset + right, with
-  the same offset (bottom-right only when causal="bottom_right"); None on
-  either side means unbounded;
+- causal: j <= i + offset;
+- window=(left, right): i + offset - left <= j <= i + offset + right; None
+  on either side means unbounded;
+
+with one diagonal offset for both, chosen by align: 0 for "top_left" (the
+first query sits on the first key, as torch's is_causal=True) and Nk - Nq
+for "bottom_right" (the last query sits on the last key, as when decoding
+with a KV cache, and as flash-attn's causal and window_size). causal=
+"top_left" or "bottom_right" is causal=True with that align;
 - kv_lengths: j < kv_lengths[b] for batch element b (key padding);
-- mask: mask[..., i, j] is True.
+- mask: mask[..., i, j] is True; or, for a float mask (torch's additive
+  attn_mask), mask[..., i, j] > -inf, and the score gains mask[..., i, j].
 See chapters 5 and 7.
 """
 
@@ -20,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+ALIGNS = ("top_left", "bottom_right")
 
 
 class Rules(NamedTuple):
@@ -30,6 +35,7 @@ class Rules(NamedTuple):
     window: tuple | None  # (left, right), either may be None
     kv_lengths: np.ndarray | None  # (*batch, 1, 1) valid key counts
     mask: np.ndarray | None  # boolean, broadcastable to (*batch, Nq, Nk)
+    bias: np.ndarray | None = None  # float, added to the scores, or None
 
     def allowed(self, rows, cols):
         """Boolean (..., len(rows), len(cols)) of allowed pairs, or None.
@@ -54,6 +60,14 @@ class Rules(NamedTuple):
             m = m[..., _span(rows, m.shape[-2]), :]
             keep = _and(keep, m[..., _span(cols, m.shape[-1])])
         return keep
+
+    def added(self, rows, cols):
+        """The float mask's (..., len(rows), len(cols)) tile, or None."""
+        if self.bias is None:
+            return None
+        b = self.bias
+        return b[..., _span(rows, b.shape[-2]), :][
+            ..., _span(cols, b.shape[-1])]
 
     def index(self):
         """The index rules as the record the scalar forms below take."""
@@ -152,28 +166,39 @@ def tile_full(i0, i1, j0, j1, r, kv_len):
     return j1 <= kv_len
 
 
-def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk):
+def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
+          align=None):
     """Validate the masking arguments of an attention call into `Rules`."""
-    if causal is None or causal is False:
-        is_causal, offset = False, 0
-    elif causal is True or causal == "top_left":
-        is_causal, offset = True, 0
-    elif causal == "bottom_right":
-        is_causal, offset = True, nk - nq
-    else:
+    if not any(causal is c or (isinstance(causal, str) and causal == c)
+               for c in (None, *CAUSAL_MODES)):
         raise ValueError(
             f"causal: expected one of {CAUSAL_MODES}, got {causal!r}"
         )
+    if align is not None and align not in ALIGNS:
+        raise ValueError(f"align: expected one of {ALIGNS}, got {align!r}")
+    if isinstance(causal, str):
+        if align is not None and align != causal:
+            raise ValueError(f"align: {align!r} contradicts causal="
+                             f"{causal!r}; pass causal=True with align")
+        align = causal
+    is_causal = causal is not None and causal is not False
+    offset = nk - nq if align == "bottom_right" else 0
     window = _check_window(window)
     if window is not None:  # a side past both lengths bounds nothing
         window = tuple(None if w is not None and w >= nq + nk else w
                        for w in window)
+    bias = None
+    if mask is not None and np.asarray(mask).dtype.kind == "f":
+        bias = _check_mask(mask, batch_shape, nq, nk, np.asarray(
+            mask).dtype)
+        mask = ~np.isneginf(bias)  # NaN stays allowed: it must show
     return Rules(
         causal=is_causal,
         offset=offset,
         window=window,
         kv_lengths=_check_lengths(kv_lengths, batch_shape, nk),
         mask=_check_mask(mask, batch_shape, nq, nk),
+        bias=bias,
     )
 
 
@@ -227,14 +252,14 @@ def _check_lengths(kv_lengths, batch_shape, nk):
     return lengths[..., None, None]  # (*batch, 1, 1) against (Br, Bc)
 
 
-def _check_mask(mask, batch_shape, nq, nk):
+def _check_mask(mask, batch_shape, nq, nk, dtype=np.bool_):
     if mask is None:
         return None
     mask = np.asarray(mask)
-    if mask.dtype != np.bool_:
+    if mask.dtype != dtype:
         raise TypeError(
-            f"mask: expected a boolean array (True = may attend), got dtype "
-            f"{mask.dtype}"
+            f"mask: expected a boolean array (True = may attend) or a "
+            f"float one (added to the scores), got dtype {mask.dtype}"
         )
     target = (*batch_shape, nq, nk)
     try:

@@ -9,7 +9,7 @@ reference every test compares with.
 
 import numpy as np
 
-from flashlab import dropout, masks, nonfinite
+from flashlab import dropout, heads, masks, nonfinite
 from flashlab._validate import check_flag, check_qkv, check_scale
 
 
@@ -31,14 +31,24 @@ def logsumexp(s):
 
 
 def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
-           kv_lengths=None):
+           kv_lengths=None, align=None):
     """Masked score matrix S (..., Nq, Nk); disallowed pairs are -inf."""
     q, k, _ = check_qkv(q, k, k)
+    g = heads.group_size(q.shape, k.shape, k.shape)
+    if g > 1:  # grouped heads: the same on the grouped view
+        return heads.join(scores(
+            heads.split(q, g), heads.split(k, g, kv=True), scale=scale,
+            causal=causal, window=window, align=align,
+            mask=heads.split_batch(mask, q.shape[:-2], g, 2),
+            kv_lengths=heads.split_batch(kv_lengths, q.shape[:-2], g, 0)))
     nq, nk = q.shape[-2], k.shape[-2]
     scale = check_scale(scale, q.shape[-1])
     rules = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
-                        nq, nk)
+                        nq, nk, align)
     s = scale * (q @ np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
+    bias = rules.added(range(nq), range(nk))
+    if bias is not None:  # a float mask adds to the scores
+        s = s + bias.astype(s.dtype)
     keep = rules.allowed(range(nq), range(nk))
     if keep is not None:
         s = np.where(keep, s, -np.inf)
@@ -47,15 +57,27 @@ def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
 
 def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
           kv_lengths=None, dropout_p=0.0, seed=None, dropout_mask=None,
-          return_lse=False):
+          return_lse=False, align=None):
     """Materialized attention in the input dtype. q (..., Nq, d) -> O.
 
     Holds the full S and P (..., Nq, Nk). See chapter 1.
     """
     q, k, v = check_qkv(q, k, v)
     return_lse = check_flag("return_lse", return_lse)
+    g = heads.group_size(q.shape, k.shape, v.shape)
+    if g > 1:  # grouped heads: the same on the grouped view
+        o, lse = naive(
+            heads.split(q, g), heads.split(k, g, kv=True),
+            heads.split(v, g, kv=True), scale=scale, causal=causal,
+            window=window, align=align, dropout_p=dropout_p, seed=seed,
+            mask=heads.split_batch(mask, q.shape[:-2], g, 2),
+            kv_lengths=heads.split_batch(kv_lengths, q.shape[:-2], g, 0),
+            dropout_mask=heads.split_batch(dropout_mask, q.shape[:-2], g,
+                                           2), return_lse=True)
+        o, lse = heads.join(o), heads.join(lse[..., None])[..., 0]
+        return (o, lse) if return_lse else o
     s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
-               kv_lengths=kv_lengths)
+               kv_lengths=kv_lengths, align=align)
     keep = _dropout_keep(dropout_p, seed, dropout_mask, s.shape)
     with np.errstate(invalid="ignore"):  # inf - inf: NaN by the rule
         p = softmax(s)  # (..., Nq, Nk)
@@ -64,7 +86,7 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
         o = p @ v  # (..., Nq, dv)
         lse = logsumexp(s)
     empty = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
-                        q.shape[-2], k.shape[-2]).empty_rows(
+                        q.shape[-2], k.shape[-2], align).empty_rows(
         q.shape[:-2], q.shape[-2], k.shape[-2])
     nonfinite.finish(o, lse, v, empty)
     return (o, lse) if return_lse else o
@@ -95,7 +117,7 @@ def _dropout_keep(dropout_p, seed, dropout_mask, shape):
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,
               kv_lengths=None, dropout_p=0.0, seed=None, dropout_mask=None,
-              return_lse=False):
+              return_lse=False, align=None):
     """Ground truth: materialized attention computed in float64.
 
     dropout_mask, if given, is the boolean keep mask (..., Nq, Nk) to use
@@ -115,4 +137,5 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, window=None,
         seed=seed,
         dropout_mask=dropout_mask,
         return_lse=return_lse,
+        align=align,
     )

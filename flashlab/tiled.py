@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flashlab import dropout, masks, merge, nonfinite
+from flashlab import dropout, heads, masks, merge, nonfinite
 from flashlab._validate import (
     as_float_array,
     check_block,
@@ -52,6 +52,7 @@ class Plan(NamedTuple):
     scale: float
     rules: masks.Rules
     dropout: dropout.Dropout | None
+    group: int = 1  # query heads per K/V head (flashlab.heads)
 
     def empty_rows(self, batch_shape):
         """Boolean (*batch, Nq): rows the masks leave without keys."""
@@ -61,7 +62,7 @@ class Plan(NamedTuple):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              num_splits=1):
+              num_splits=1, align=None):
     """Tiled exact attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, d_v).
 
     Returns o (..., Nq, d_v), and lse (..., Nq) if return_lse. Rows with no
@@ -76,7 +77,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     o, lse = _run(q, k, v, order, None, num_splits, block_q=block_q,
                   block_k=block_k, scale=scale, causal=causal, mask=mask,
                   window=window, kv_lengths=kv_lengths, dropout_p=dropout_p,
-                  seed=seed)
+                  seed=seed, align=align)
     return (o, lse) if return_lse else o
 
 
@@ -92,13 +93,22 @@ def trace(q, k, v, *, order="fa2", **options):
 
 
 def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
-         mask=None, window=None, kv_lengths=None, dropout_p=0.0, seed=None):
+         mask=None, window=None, kv_lengths=None, dropout_p=0.0, seed=None,
+         align=None):
     """Validate the arguments; return arrays and the `Plan` of the loops.
 
-    Block sizes larger than the sequence are clamped to it.
+    Block sizes larger than the sequence are clamped to it. With fewer
+    K/V heads than Q heads the arrays come back grouped (`heads.split`),
+    and so do the mask and key lengths.
     """
     q, k, v = check_qkv(q, k, v)
     nq, nk = q.shape[-2], k.shape[-2]
+    g = heads.group_size(q.shape, k.shape, v.shape)
+    if g > 1:
+        mask = heads.split_batch(mask, q.shape[:-2], g, 2)
+        kv_lengths = heads.split_batch(kv_lengths, q.shape[:-2], g, 0)
+        q = heads.split(q, g)
+        k, v = heads.split(k, g, kv=True), heads.split(v, g, kv=True)
     batch = q.shape[:-2]
     return q, k, v, Plan(
         nq=nq,
@@ -106,8 +116,10 @@ def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
         block_q=min(check_block("block_q", block_q, BLOCK), nq),
         block_k=min(check_block("block_k", block_k, BLOCK), nk),
         scale=check_scale(scale, q.shape[-1]),
-        rules=masks.rules(causal, window, kv_lengths, mask, batch, nq, nk),
+        rules=masks.rules(causal, window, kv_lengths, mask, batch, nq, nk,
+                          align),
         dropout=dropout.make(dropout_p, seed, batch),
+        group=g,
     )
 
 
@@ -149,6 +161,8 @@ def _run(q, k, v, order, on_tile, num_splits=1, **options):
             forward_fa1(q, k, v, o, l, m, plan_, on_tile)
             lse = merge.Summary(m, l, o).lse()
         nonfinite.finish(o, lse, v, plan_.empty_rows(q.shape[:-2]))
+    if plan_.group > 1:
+        o, lse = heads.join(o), heads.join(lse[..., None])[..., 0]
     return o, lse
 
 
@@ -158,8 +172,12 @@ def blocks(n, size):
 
 
 def score_tile(q_i, k_j, rows, cols, plan):
-    """S_ij = tau Q_i K_j^T (..., Br, Bc), with masked pairs at -inf."""
+    """S_ij = tau Q_i K_j^T (..., Br, Bc) (plus a float mask's tile),
+    with masked pairs at -inf."""
     s_ij = q_i @ np.swapaxes(k_j, -1, -2)  # (..., Br, Bc)
+    bias = plan.rules.added(rows, cols)
+    if bias is not None:
+        s_ij = s_ij + bias.astype(s_ij.dtype)
     keep = plan.rules.allowed(rows, cols)
     return s_ij if keep is None else np.where(keep, s_ij, -np.inf)
 
@@ -267,7 +285,7 @@ def forward_fa1(q, k, v, o, l, m, plan, on_tile=None):
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2"):
+                       order="fa2", align=None):
     """Gradients (dq, dk, dv) of attention, recomputing tiles. See chapter 8.
 
     Needs only the forward's output o (..., Nq, d_v) and row log-sum-exp
@@ -280,10 +298,19 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     q, k, v, plan_ = plan(q, k, v, block_q=block_q, block_k=block_k,
                           scale=scale, causal=causal, mask=mask,
                           window=window, kv_lengths=kv_lengths,
-                          dropout_p=dropout_p, seed=seed)
-    o, lse, do = check_saved(q, v, o, lse, do)
+                          dropout_p=dropout_p, seed=seed, align=align)
+    if plan_.group > 1:  # checked against the callers' heads, then split
+        g = plan_.group
+        q_heads = np.broadcast_to(q.dtype.type(0), heads.join(q).shape)
+        o, lse, do = check_saved(q_heads, v[..., 0, :, :], o, lse, do)
+        o, do = heads.split(o, g), heads.split(do, g)
+        lse = heads.split(lse[..., None], g)[..., 0]
+    else:
+        o, lse, do = check_saved(q, v, o, lse, do)
     dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
     backward(q, k, v, o, lse, do, dq, dk, dv, plan_)
+    if plan_.group > 1:  # back to the callers' heads
+        return heads.join(dq), dk[..., 0, :, :], dv[..., 0, :, :]
     return dq, dk, dv
 
 
@@ -310,10 +337,13 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
                 z = plan.dropout.weights(rows, cols, p_ij.dtype)
                 pz_ij = p_ij * z
                 dp_ij = dp_ij * z
-            dv_j += np.swapaxes(pz_ij, -1, -2) @ do[..., r, :]
+            # a K/V head's gradient sums its group's query heads
+            dv_j += heads.sum_to(np.swapaxes(pz_ij, -1, -2) @ do[..., r, :],
+                                 dv_j.shape)
             ds_ij = p_ij * (dp_ij - delta[..., r, None])  # dS = P(dP - D)
             dq[..., r, :] += q.dtype.type(plan.scale) * (ds_ij @ k_j)
-            dk_j += np.swapaxes(ds_ij, -1, -2) @ q_i  # tau already in q_i
+            dk_j += heads.sum_to(np.swapaxes(ds_ij, -1, -2) @ q_i,
+                                 dk_j.shape)  # tau already in q_i
         dk[..., cols.start:cols.stop, :] = dk_j
         dv[..., cols.start:cols.stop, :] = dv_j
 

@@ -61,45 +61,121 @@ class Attention(torch.autograd.Function):
         return (*(torch.from_numpy(g) for g in grads), None, None)
 
 
-def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
-              causal=False, mask=None, window=None, kv_lengths=None,
-              dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              num_splits=1):
-    """Differentiable attention: q (..., Nq, d), k, v -> o (..., Nq, dv).
+def attention(query, key, value, attn_mask=None, dropout_p=0.0,
+              is_causal=False, scale=None, enable_gqa=False, *,
+              causal=None, mask=None, window=None, align=None,
+              kv_lengths=None, block_q=None, block_k=None, seed=None,
+              return_lse=False, order="fa2", num_splits=1):
+    """Differentiable attention with the signature of torch's
+    scaled_dot_product_attention: query (..., L, E), key (..., S, E),
+    value (..., S, Ev) -> (..., L, Ev).
 
-    Keywords and semantics as tiled.attention; mask is a bool tensor or
-    array, True = may attend. With return_lse, also the row log-sum-exp
-    (..., Nq), which carries no gradient. With dropout_p > 0 and no seed,
+    As SDPA: attn_mask boolean (True = may attend) or float (added to the
+    scores), broadcast to (..., L, S); is_causal top-left; scale default
+    1/sqrt(E); enable_gqa lets key and value have fewer heads (dim -3)
+    than query, each shared by H_q / H_kv query heads (without copying
+    them); leading dims broadcast. Keyword-only extras as
+    `tiled.attention`: causal (True, "top_left", "bottom_right"), mask
+    (a second name for attn_mask), window, align, kv_lengths, blocks,
+    seed, order, num_splits; with return_lse also the row log-sum-exp
+    (..., L), which carries no gradient. With dropout_p > 0 and no seed,
     a seed is drawn from torch's generator, so torch.manual_seed makes
-    runs repeatable.
+    runs repeatable. Rows that no key may attend give 0 (and lse -inf)
+    where SDPA gives NaN. See chapters 7 and 8.
     """
     return_lse = check_flag("return_lse", return_lse)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got "
-                            f"{type(x).__name__}")
-        if x.device.type not in _DTYPES:
-            raise ValueError(f"{name}: expected a CPU or CUDA tensor, got "
-                             f"one on {x.device} (no data to compute on)")
-        if x.dtype not in _DTYPES[x.device.type]:
-            raise TypeError(
-                f"{name}: expected a dtype in {_DTYPES[x.device.type]} on "
-                f"{x.device.type}, got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} like q, "
-                             f"got {x.device}")
+    q, k, v = query, key, value
+    for name, x in (("query", q), ("key", k), ("value", v)):
+        _check_tensor(name, x, q)
+    if attn_mask is not None and mask is not None:
+        raise ValueError("mask: given with attn_mask, which is the same "
+                         "thing; pass one")
+    mask = attn_mask if attn_mask is not None else mask
+    if is_causal:
+        if causal is not None:
+            raise ValueError("causal: given with is_causal=True; pass one")
+        if mask is not None:
+            raise ValueError("attn_mask: expected None with is_causal="
+                             "True (as torch's SDPA), got a mask")
+        causal = True
     if isinstance(mask, torch.Tensor):
+        if mask.requires_grad:
+            raise ValueError("attn_mask: expected a mask that needs no "
+                             "gradient; flashlab computes none for it")
         mask = mask.detach().cpu().numpy()
     if isinstance(kv_lengths, torch.Tensor):
         kv_lengths = kv_lengths.detach().cpu().numpy()
+    q, k, v = _broadcast(q, k, v, check_flag("enable_gqa", enable_gqa))
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
     options = dict(block_q=block_q, block_k=block_k, scale=scale,
-                   causal=causal, mask=mask, window=window,
+                   causal=False if causal is None else causal,
+                   mask=mask, window=window, align=align,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    order=order)
     o, lse = Attention.apply(q, k, v, options, num_splits)
     return (o, lse) if return_lse else o
+
+
+def _check_tensor(name, x, q):
+    """x: a torch tensor of a dtype flashlab takes, on q's device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got "
+                        f"{type(x).__name__}")
+    if x.device.type not in _DTYPES:
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got "
+                         f"one on {x.device} (no data to compute on)")
+    if x.dtype not in _DTYPES[x.device.type]:
+        raise TypeError(
+            f"{name}: expected a dtype in {_DTYPES[x.device.type]} on "
+            f"{x.device.type}, got {x.dtype}")
+    if x.device != q.device:
+        raise ValueError(f"{name}: expected device {q.device} like query, "
+                         f"got {x.device}")
+    if x.dim() < 2:
+        raise ValueError(f"{name}: expected at least 2 dims (..., N, d), "
+                         f"got shape {tuple(x.shape)}")
+
+
+def _broadcast(q, k, v, enable_gqa):
+    """q, k, v with SDPA's broadcasting of their leading dims, as views.
+
+    Heads (dim -3) may differ under enable_gqa: k and v keep theirs
+    (flashlab.heads groups them, no copy). Otherwise a leading dim of 1
+    stretches to the others' size; on the GPU the kernels take k and v
+    with q's leading dims, which expand() only views (to_kernel copies).
+    """
+    grouped = (enable_gqa and q.dim() >= 3 and k.dim() >= 3
+               and k.shape[-3] != q.shape[-3])
+    if grouped:
+        for name, x in (("key", k), ("value", v)):
+            if x.dim() < 3 or q.shape[-3] % x.shape[-3] or (
+                    x.shape[-3] != k.shape[-3]):
+                raise ValueError(
+                    f"{name}: expected a number of heads (dim -3) dividing"
+                    f" query's {q.shape[-3]} (enable_gqa), got shape "
+                    f"{tuple(x.shape)}")
+        lead = torch.broadcast_shapes(*(x.shape[:-3] for x in (q, k, v)))
+        q = q.expand(*lead, *q.shape[-3:])
+        k, v = (x.expand(*lead, *x.shape[-3:]) for x in (k, v))
+        if q.is_cuda:
+            raise ValueError(
+                "key: fewer heads than query (grouped-query attention) "
+                "runs on CPU tensors; flashlab.gpu's kernels take key and "
+                "value with query's heads")
+        return q, k, v
+    try:
+        lead = torch.broadcast_shapes(*(x.shape[:-2] for x in (q, k, v)))
+    except RuntimeError:
+        raise ValueError(
+            f"key: expected leading dims that broadcast with query's "
+            f"{tuple(q.shape[:-2])} (or fewer heads with enable_gqa=True),"
+            f" got {tuple(k.shape[:-2])} (key) and {tuple(v.shape[:-2])} "
+            f"(value)") from None
+    q = q.expand(*lead, *q.shape[-2:])
+    if q.is_cuda:  # the kernels index k and v by q's batch element
+        k, v = (x.expand(*lead, *x.shape[-2:]) for x in (k, v))
+    return q, k, v
 
 
 def saved_shapes(fn, *args):

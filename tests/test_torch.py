@@ -104,7 +104,22 @@ def test_gradcheck_masked():
 
 def test_bad_input():
     x = torch.zeros(4, 4)
-    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+    with pytest.raises(TypeError, match="query: expected a torch.Tensor"):
         fl_torch.attention(np.zeros((4, 4)), x, x)
-    with pytest.raises(TypeError, match="k: expected a dtype in"):
+    with pytest.raises(TypeError, match="key: expected a dtype in"):
         fl_torch.attention(x, x.half(), x)
+    with pytest.raises(ValueError, match="attn_mask: expected None with "
+                                         "is_causal"):
+        fl_torch.attention(x, x, x, x > 0, is_causal=True)
+    with pytest.raises(ValueError, match="mask: given with attn_mask"):
+        fl_torch.attention(x, x, x, x > 0, mask=x > 0)
+    h = torch.zeros(2, 6, 4, 4)
+    with pytest.raises(ValueError, match="key: expected leading dims that "
+                                         "broadcast"):
+        fl_torch.attention(h, h[:, :2], h[:, :2])
+    with pytest.raises(ValueError, match=r"key: expected a number of heads "
+                                         r"\(dim -3\) dividing"):
+        fl_torch.attention(h, h[:, :4], h[:, :4], enable_gqa=True)
+    with pytest.raises(ValueError, match="attn_mask: expected a mask that "
+                                         "needs no gradient"):
+        fl_torch.attention(x, x, x, x.clone().requires_grad_())

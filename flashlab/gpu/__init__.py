@@ -70,7 +70,7 @@ def tile_shape(version, d, d_v):
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
               causal=False, mask=None, window=None, kv_lengths=None,
               dropout_p=0.0, seed=None, return_lse=False, order="fa2",
-              num_splits=1, version=None, precision=None):
+              num_splits=1, version=None, precision=None, align=None):
     """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
 
     Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
@@ -97,7 +97,8 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
     call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
                                window=window, kv_lengths=kv_lengths,
-                               dropout_p=dropout_p, seed=seed))
+                               dropout_p=dropout_p, seed=seed,
+                               align=align))
     o, o_k = call.empty((call.bh, call.nq, d_v), dtype)
     lse, lse_k = call.empty((call.bh, call.nq))
     vk = call.to_kernel(v, (call.bh, call.nk, d_v))
@@ -224,7 +225,7 @@ def combine(outs, lses):
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2"):
+                       order="fa2", align=None):
     """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward."""
     tiled.check_order(order)  # one backward loop follows either forward
     d, d_v, _ = _check_device_inputs((("q", q), ("k", k), ("v", v)),
@@ -236,7 +237,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     tiled.check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
     call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
                                window=window, kv_lengths=kv_lengths,
-                               dropout_p=dropout_p, seed=seed))
+                               dropout_p=dropout_p, seed=seed,
+                               align=align))
     bh, nq, nk = call.bh, call.nq, call.nk
     qk = call.to_kernel(q, (bh, nq, d))
     kk = call.to_kernel(k, (bh, nk, d))
