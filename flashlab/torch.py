@@ -13,7 +13,7 @@ derivative raises instead of returning a wrong one. See chapters 8 and 9.
 import numpy as np
 import torch
 
-from flashlab import tiled
+from flashlab import tiled, varlen
 from flashlab._validate import check_flag
 
 _DTYPES = {"cpu": (torch.float32, torch.float64),
@@ -115,6 +115,41 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
                    order=order)
     o, lse = Attention.apply(q, k, v, options, num_splits)
     return (o, lse) if return_lse else o
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
+                     causal=False, window=None, align=None, dropout_p=0.0,
+                     seed=None, block_q=None, block_k=None):
+    """Differentiable attention over a packed batch (`flashlab.varlen`):
+    q (total_q, H, d), k (total_k, H_kv, d), v (total_k, H_kv, d_v), each
+    sequence on its own lengths; -> (total_q, H, d_v)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x, q)
+        if x.dim() != 3:
+            raise ValueError(f"{name}: expected (total, heads, d), got "
+                             f"shape {tuple(x.shape)}")
+    cu = [c.detach().cpu().numpy() if isinstance(c, torch.Tensor) else c
+          for c in (cu_seqlens_q, cu_seqlens_k)]
+    spans = varlen.check_packed(q, k, v, *cu, {})
+    if dropout_p and seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    options = dict(scale=scale, causal=causal, window=window, align=align,
+                   dropout_p=dropout_p, seed=seed, block_q=block_q,
+                   block_k=block_k)
+    outs = []
+    for b, (rq, rk) in enumerate(spans):
+        if rk.stop == rk.start:  # no keys: its rows are 0
+            outs.append(q.new_zeros((rq.stop - rq.start, q.shape[1],
+                                     v.shape[2])))
+            continue
+        if rq.stop == rq.start:
+            continue
+        o_b = attention(*(x[r].transpose(0, 1) for x, r in (
+            (q, rq), (k, rk), (v, rk))), enable_gqa=k.shape[1] !=
+            q.shape[1], **varlen.sequence_options(options, b))
+        outs.append(o_b.transpose(0, 1))
+    return torch.cat(outs, 0) if outs else q.new_zeros(
+        (0, q.shape[1], v.shape[2]))
 
 
 def _check_tensor(name, x, q):
