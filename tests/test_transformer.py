@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashlab import transformer
 from flashlab import torch as fl_torch
+from flashlab import transformer
 
 
 @pytest.mark.parametrize("n_kv_heads", [4, 2, 1])

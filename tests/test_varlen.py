@@ -137,3 +137,23 @@ def test_bad_input(rng):
         varlen.attention(q, k[:, :1].repeat(3, 1), v, cu_q, cu_k)
     with pytest.raises(ValueError, match="q: expected \\(total, heads, d"):
         varlen.attention(q[0], k, v, cu_q, cu_k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, window", CASES)
+def test_packed_on_the_gpu(rng, causal, window):
+    from flashlab import gpu
+
+    nq, nk = packing(rng, 7)
+    q, k, v, cu_q, cu_k = packed(rng, nq, nk, 2, 2, d=16)
+    do = rng.standard_normal((q.shape[0], 2, 6))
+    want, grads = expected(q, k, v, cu_q, cu_k, causal, window, do)
+    x = [a.astype(np.float32) for a in (q, k, v)]
+    kw = dict(causal=causal, window=window, align="bottom_right")
+    o, lse = varlen.attention(*x, cu_q, cu_k, backend=gpu,
+                              return_lse=True, **kw)
+    assert np.max(np.abs(o - want)) < 1e-5
+    got = varlen.attention_backward(*x, o, lse, do.astype(np.float32),
+                                    cu_q, cu_k, backend=gpu, **kw)
+    for a, b in zip(got, grads):
+        assert np.max(np.abs(a - b)) < 1e-4
