@@ -37,12 +37,12 @@ def rule_mask(nq, nk, causal, window):
     return keep
 
 
-def packed(rng, nq, nk, hq, hkv, d=8):
+def packed(rng, nq, nk, hq, hkv, d=8, dv=6):
     cu_q = np.concatenate([[0], np.cumsum(nq)])
     cu_k = np.concatenate([[0], np.cumsum(nk)])
     q = rng.standard_normal((cu_q[-1], hq, d))
     k = rng.standard_normal((cu_k[-1], hkv, d))
-    v = rng.standard_normal((cu_k[-1], hkv, 6))
+    v = rng.standard_normal((cu_k[-1], hkv, dv))
     return q, k, v, cu_q, cu_k
 
 
@@ -145,8 +145,8 @@ def test_packed_on_the_gpu(rng, causal, window):
     from flashlab import gpu
 
     nq, nk = packing(rng, 7)
-    q, k, v, cu_q, cu_k = packed(rng, nq, nk, 2, 2, d=16)
-    do = rng.standard_normal((q.shape[0], 2, 6))
+    q, k, v, cu_q, cu_k = packed(rng, nq, nk, 2, 2, d=16, dv=16)
+    do = rng.standard_normal((q.shape[0], 2, 16))
     want, grads = expected(q, k, v, cu_q, cu_k, causal, window, do)
     x = [a.astype(np.float32) for a in (q, k, v)]
     kw = dict(causal=causal, window=window, align="bottom_right")
