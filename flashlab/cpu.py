@@ -68,10 +68,13 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     with blas.one_thread():  # numba's threads call it, one each
         _forward(*(np.ascontiguousarray(x) for x in (q3, k3, v3)), o, lse,
                  plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask)
-    o = o.reshape(*batch, plan.nq, d_v)
-    lse = lse.reshape(*batch, plan.nq)
-    nonfinite.finish(o, lse, v3.reshape(*batch, plan.nk, d_v),
-                     plan.empty_rows(batch))
+    g = a.rules.group  # rows of query heads b: K/V head b // g
+    nonfinite.finish(o.reshape(-1, g, plan.nq, d_v), lse.reshape(
+        -1, g, plan.nq), v3.reshape(-1, 1, plan.nk, d_v),
+        plan.empty_rows(batch).reshape(-1, g, plan.nq))
+    heads = np.shape(q)[:-2]  # the caller's leading dims
+    o = o.reshape(*heads, plan.nq, d_v)
+    lse = lse.reshape(*heads, plan.nq)
     return (o, lse) if return_lse else o
 
 
@@ -91,7 +94,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     do3 = np.ascontiguousarray(do.reshape(bh, plan.nq, d_v))
     lse3 = np.ascontiguousarray(lse.reshape(bh, plan.nq))
     delta = (do3 * o.reshape(bh, plan.nq, d_v)).sum(axis=-1)  # D_i (BH, Nq)
-    dq, dk, dv = (np.empty_like(x) for x in (q3, k3, v3))
+    # dK, dV per query head; a K/V head's is the sum over its group
+    dq = np.empty_like(q3)
+    dk, dv = (np.empty((bh, *x.shape[1:]), x.dtype) for x in (k3, v3))
     q3, k3, v3 = (np.ascontiguousarray(x) for x in (q3, k3, v3))
     lse2 = lse3 * q3.dtype.type(_LOG2E)  # log2 units, as the scores
     with blas.one_thread():
@@ -105,7 +110,11 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                          a.mask)
             _backward_q(q3, k3, v3, do3, lse2, delta, dq, plan.block_q,
                         plan.block_k, a.rules, a.kv_len, a.mask)
-    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape))
+    g = a.rules.group
+    dk, dv = (x.reshape(-1, g, *x.shape[1:]).sum(axis=1) if g > 1 else x
+              for x in (dk, dv))
+    return (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)),
+            dv.reshape(np.shape(v)))
 
 
 def products_only(q, k, v, *, causal=False, block_q=None, block_k=None):
@@ -127,6 +136,7 @@ def _products(q, k, v, block_q, block_k, r, kv_len):
     n_blocks = (nq + block_q - 1) // block_q
     for t in prange(bh * n_blocks):
         b = t // n_blocks
+        bk = b // r.group  # the K/V head of query head b
         i0 = (t % n_blocks) * block_q
         br = min(block_q, nq - i0)
         acc = np.zeros((br, d_v), dtype=q.dtype)
@@ -136,8 +146,8 @@ def _products(q, k, v, block_q, block_k, r, kv_len):
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
             blas.gemm(False, True, br, bc, d, r.scale, q[b, i0:i0 + br],
-                      k[b, j0:j0 + bc], 0, s)
-            blas.gemm(False, False, br, d_v, bc, 1, s, v[b, j0:j0 + bc], 1,
+                      k[bk, j0:j0 + bc], 0, s)
+            blas.gemm(False, False, br, d_v, bc, 1, s, v[bk, j0:j0 + bc], 1,
                       acc)
 
 
@@ -204,6 +214,7 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
     scale2 = r.scale * _LOG2E  # scores in log2 units: exp2, not exp
     for t in prange(bh * n_blocks):
         b = t // n_blocks
+        bk = b // r.group  # the K/V head of query head b
         i0 = (t % n_blocks) * block_q
         br = min(block_q, nq - i0)
         acc = np.zeros((br, d_v), dtype=q.dtype)  # u, on chip
@@ -217,7 +228,7 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
                 continue
             # S_ij = tau log2(e) Q_i K_j^T: one BLAS call, (br, bc)
             blas.gemm(False, True, br, bc, d, scale2, q_i,
-                      k[b, j0:j0 + bc], 0, s)
+                      k[bk, j0:j0 + bc], 0, s)
             if r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, r,
                                             kv_len[b]):
                 _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
@@ -227,7 +238,7 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
                     for c in range(bc):
                         s[a, c] *= _dropout_weight(r, b, i0 + a, j0 + c)
             # acc += P_ij V_j: one BLAS call, (br, d_v)
-            blas.gemm(False, False, br, d_v, bc, 1, s, v[b, j0:j0 + bc], 1,
+            blas.gemm(False, False, br, d_v, bc, 1, s, v[bk, j0:j0 + bc], 1,
                       acc)
         for a in range(br):
             if l[a] != 0:  # NaN is not "no key": it stays NaN
@@ -287,6 +298,7 @@ def _backward_heads(q, k, v, do, lse2, delta, dq, dk, dv, block_q, block_k,
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     for b in prange(bh):
+        bk = b // r.group  # the K/V head of query head b
         dq[b] = 0
         s = np.empty((block_q, block_k), dtype=q.dtype)
         dp = np.empty((block_q, block_k), dtype=q.dtype)
@@ -299,14 +311,14 @@ def _backward_heads(q, k, v, do, lse2, delta, dq, dk, dv, block_q, block_k,
                 br = min(block_q, nq - i0)
                 if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                     continue
-                _ds_tile(s, dp, pz, q[b], k[b], do[b], v[b], lse2[b],
+                _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b],
                          delta[b], b, i0, br, j0, bc, r, kv_len, mask)
                 blas.gemm(True, False, bc, d_v, br, 1, pz,
                           do[b, i0:i0 + br], 1, dv_j)
                 blas.gemm(True, False, bc, d, br, r.scale, s,
                           q[b, i0:i0 + br], 1, dk_j)
                 blas.gemm(False, False, br, d, bc, r.scale, s,
-                          k[b, j0:j0 + bc], 1, dq[b, i0:i0 + br])
+                          k[bk, j0:j0 + bc], 1, dq[b, i0:i0 + br])
             dk[b, j0:j0 + bc, :] = dk_j
             dv[b, j0:j0 + bc, :] = dv_j
 
@@ -319,6 +331,7 @@ def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
     n_blocks = (nk + block_k - 1) // block_k
     for t in prange(bh * n_blocks):
         b = t // n_blocks
+        bk = b // r.group  # the K/V head of query head b
         j0 = (t % n_blocks) * block_k
         bc = min(block_k, nk - j0)
         dk_j = np.zeros((bc, d), dtype=q.dtype)  # on chip for all Q_i
@@ -330,7 +343,7 @@ def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
             br = min(block_q, nq - i0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[b], do[b], v[b], lse2[b], delta[b],
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b], delta[b],
                      b, i0, br, j0, bc, r, kv_len, mask)
             # dV_j += (P Z)^T dO_i and dK_j += tau dS^T Q_i: BLAS calls
             blas.gemm(True, False, bc, d_v, br, 1, pz, do[b, i0:i0 + br],
@@ -349,6 +362,7 @@ def _backward_q(q, k, v, do, lse2, delta, dq, block_q, block_k, r, kv_len,
     n_blocks = (nq + block_q - 1) // block_q
     for t in prange(bh * n_blocks):
         b = t // n_blocks
+        bk = b // r.group  # the K/V head of query head b
         i0 = (t % n_blocks) * block_q
         br = min(block_q, nq - i0)
         dq_i = np.zeros((br, d), dtype=q.dtype)
@@ -359,9 +373,9 @@ def _backward_q(q, k, v, do, lse2, delta, dq, block_q, block_k, r, kv_len,
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[b], do[b], v[b], lse2[b], delta[b],
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b], delta[b],
                      b, i0, br, j0, bc, r, kv_len, mask)
             # dQ_i += tau dS_ij K_j: one BLAS call
-            blas.gemm(False, False, br, d, bc, r.scale, s, k[b, j0:j0 + bc],
+            blas.gemm(False, False, br, d, bc, r.scale, s, k[bk, j0:j0 + bc],
                       1, dq_i)
         dq[b, i0:i0 + br, :] = dq_i

@@ -1,10 +1,11 @@
 """What the numba kernels receive: arrays as (BH, N, d), rules as one record.
 
 Both the CPU kernels (flashlab.cpu) and the CUDA kernels (flashlab.gpu)
-work on (BH, N, d) arrays. Every scalar rule of a call (scale, mask
-geometry, dropout) travels in one `KernelRules` record, a namedtuple that
-numba passes to njit functions and CUDA kernels alike, so a new rule is a
-new field here and nowhere else in the signatures.
+work on (BH, N, d) arrays; with grouped heads k and v are (BH / g, N,
+d). Every scalar rule of a call (scale, mask geometry, dropout, heads per
+group) travels in one `KernelRules` record, a namedtuple that numba
+passes to njit functions and CUDA kernels alike, so a new rule is a new
+field here and nowhere else in the signatures.
 """
 
 from typing import NamedTuple
@@ -28,6 +29,7 @@ class KernelRules(NamedTuple):
     use_dropout: bool
     drop_scale: np.floating  # 1 / (1 - dropout_p)
     lowest: np.floating  # most negative finite value of the dtype
+    group: int  # query heads per K/V head: K/V head of b is b // group
 
 
 class KernelArgs(NamedTuple):
@@ -55,12 +57,7 @@ def flatten(q, k, v, options):
     """
     shapes = [tuple(x.shape) for x in (q, k, v)]
     q, k, v, plan = tiled.plan(q, k, v, **options)
-    if shapes[1][:-2] != shapes[0][:-2] or shapes[2][:-2] != shapes[0][:-2]:
-        raise ValueError(
-            f"k: expected leading dims {shapes[0][:-2]} like q for the numba"
-            f" kernels, got {shapes[1][:-2]} (k) and {shapes[2][:-2]} (v);"
-            f" grouped or broadcast K/V heads run on flashlab.tiled and "
-            f"flashlab.torch's CPU path")
+    group = kernel_group(*shapes)
     batch = q.shape[:-2]
     bh = int(np.prod(batch))
     masks = plan.rules
@@ -94,11 +91,30 @@ def flatten(q, k, v, options):
         use_dropout=drop is not None,
         drop_scale=real(1.0 / (1.0 - drop.rate) if drop else 1.0),
         lowest=real(np.finfo(q.dtype).min),
+        group=group,
     )
     args = KernelArgs(
         rules=rules,
         kv_len=np.ascontiguousarray(kv_len.reshape(bh), dtype=np.int64),
         mask=mask,
     )
-    q, k, v = (x.reshape(bh, *x.shape[-2:]) for x in (q, k, v))
+    q = q.reshape(bh, *q.shape[-2:])
+    k, v = (x.reshape(bh // group, *x.shape[-2:]) for x in (k, v))
     return q, k, v, batch, plan, args
+
+
+def kernel_group(q_shape, k_shape, v_shape):
+    """Query heads per K/V head as the kernels index them: k and v with
+    q's leading dims, or with heads (dim -3) dividing q's."""
+    if k_shape[:-2] == q_shape[:-2] and v_shape[:-2] == q_shape[:-2]:
+        return 1
+    if (len(q_shape) >= 3 and len(k_shape) == len(q_shape)
+            and k_shape[:-2] == v_shape[:-2]
+            and k_shape[:-3] == q_shape[:-3]
+            and q_shape[-3] % k_shape[-3] == 0):
+        return q_shape[-3] // k_shape[-3]
+    raise ValueError(
+        f"k: expected leading dims {q_shape[:-2]} like q, or fewer heads "
+        f"(dim -3) dividing q's, for the numba kernels; got "
+        f"{k_shape[:-2]} (k) and {v_shape[:-2]} (v): other broadcasts run"
+        f" on flashlab.tiled and flashlab.torch")

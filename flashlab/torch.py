@@ -176,9 +176,10 @@ def _broadcast(q, k, v, enable_gqa):
     """q, k, v with SDPA's broadcasting of their leading dims, as views.
 
     Heads (dim -3) may differ under enable_gqa: k and v keep theirs
-    (flashlab.heads groups them, no copy). Otherwise a leading dim of 1
-    stretches to the others' size; on the GPU the kernels take k and v
-    with q's leading dims, which expand() only views (to_kernel copies).
+    (every backend reads K/V head h // g for query head h, no copy).
+    Otherwise a leading dim of 1 stretches to the others' size; on the
+    GPU the kernels take k and v with q's leading dims, which expand()
+    only views (to_kernel copies).
     """
     grouped = (enable_gqa and q.dim() >= 3 and k.dim() >= 3
                and k.shape[-3] != q.shape[-3])
@@ -193,11 +194,6 @@ def _broadcast(q, k, v, enable_gqa):
         lead = torch.broadcast_shapes(*(x.shape[:-3] for x in (q, k, v)))
         q = q.expand(*lead, *q.shape[-3:])
         k, v = (x.expand(*lead, *x.shape[-3:]) for x in (k, v))
-        if q.is_cuda:
-            raise ValueError(
-                "key: fewer heads than query (grouped-query attention) "
-                "runs on CPU tensors; flashlab.gpu's kernels take key and "
-                "value with query's heads")
         return q, k, v
     try:
         lead = torch.broadcast_shapes(*(x.shape[:-2] for x in (q, k, v)))

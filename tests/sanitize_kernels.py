@@ -73,6 +73,21 @@ def main():
     ok = ~np.isnan(want)
     assert np.max(np.abs(o[ok] - want[ok])) < 1e-4
     print("split-KV and its combine ran")
+    # grouped heads: 4 query heads read 2 K/V heads, every kernel
+    q4 = rng.standard_normal((1, 4, 77, 64)).astype(np.float32)
+    k2, v2 = (rng.standard_normal((1, 2, 77, 64)).astype(np.float32)
+              for _ in range(2))
+    want = reference.attention(q4, *(np.repeat(x, 2, 1) for x in (k2, v2)),
+                               causal=True)
+    for name, dtype, kw, tol in forward_calls(64):
+        x = [a.astype(dtype) for a in (q4, k2, v2)]
+        o = gpu.attention(*x, causal=True, **kw)
+        assert np.max(np.abs(o - want)) < tol * 10, name
+    o, lse = gpu.attention(q4, k2, v2, causal=True, return_lse=True)
+    grads = gpu.attention_backward(q4, k2, v2, o, lse, np.ones_like(q4),
+                                   causal=True)
+    assert [g.shape for g in grads] == [q4.shape, k2.shape, v2.shape]
+    print("grouped heads ran")
 
 
 if __name__ == "__main__":

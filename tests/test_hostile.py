@@ -150,7 +150,7 @@ def test_torch_return_lse_and_meta_tensors(rng):
                                      return_lse=True)
     assert max_abs_err(lse.numpy(), lse_ref) < 1e-12
     meta = torch.empty(5, 4, device="meta")
-    with pytest.raises(ValueError, match="q: expected a CPU or CUDA"):
+    with pytest.raises(ValueError, match="query: expected a CPU or CUDA"):
         fl_torch.attention(meta, meta, meta)
     with pytest.raises(TypeError, match="return_lse: expected True"):
         fl_torch.attention(q, k, v, return_lse=1)

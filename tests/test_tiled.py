@@ -126,7 +126,8 @@ def test_trace_holds_one_tile_and_skips_masked_ones(rng):
 BAD = [
     (dict(k=np.zeros((5, 3))), ValueError, "k: expected head dim d=4"),
     (dict(v=np.zeros((6, 4))), ValueError, "v: expected Nk=5"),
-    (dict(q=np.zeros((2, 5, 4))), ValueError, "k: expected leading dims"),
+    (dict(q=np.zeros((2, 5, 4)), k=np.zeros((3, 5, 4))), ValueError,
+     "k: expected leading dims"),
     (dict(q=np.zeros((5, 4), dtype=int)), TypeError, "q: expected a float"),
     (dict(v=np.zeros((5, 4), np.float32)), TypeError, "v: expected dtype"),
     (dict(q=np.zeros(4)), ValueError, "q: expected at least 2 dims"),
@@ -134,7 +135,7 @@ BAD = [
     (dict(block_k=2.5), TypeError, "block_k"),
     (dict(mask=np.ones((5, 6), bool)), ValueError, "mask: expected a shape"),
     (dict(mask=np.ones((3, 5, 5), bool)), ValueError, "mask"),
-    (dict(mask=np.ones((5, 5))), TypeError, "mask: expected a boolean"),
+    (dict(mask=np.ones((5, 5), int)), TypeError, "mask: expected a boolean"),
     (dict(causal="diagonal"), ValueError, "causal"),
     (dict(scale=float("nan")), ValueError, "scale"),
     (dict(scale="1"), TypeError, "scale"),

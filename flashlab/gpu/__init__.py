@@ -101,13 +101,14 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                                align=align))
     o, o_k = call.empty((call.bh, call.nq, d_v), dtype)
     lse, lse_k = call.empty((call.bh, call.nq))
-    vk = call.to_kernel(v, (call.bh, call.nk, d_v))
+    vk = call.to_kernel(v, (call.bh_kv, call.nk, d_v))
     if splits > 1 and call.bh and call.nq:
         _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits)
         call.finish(o_k, lse_k, vk)
     elif call.bh and call.nq:
         arrays = [call.to_kernel(q, (call.bh, call.nq, d)),
-                  call.to_kernel(k, (call.bh, call.nk, d)), vk, o_k, lse_k]
+                  call.to_kernel(k, (call.bh_kv, call.nk, d)), vk, o_k,
+                  lse_k]
         if version in TENSOR_CORE_VERSIONS:  # they apply the rule of
             # flashlab.nonfinite themselves, given V's bad columns
             if dtype in HALF_BITS:
@@ -118,8 +119,8 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
             *arrays, *call.args)
         if version not in TENSOR_CORE_VERSIONS:
             call.finish(o_k, lse_k, vk)
-    o = call.result(o, (*call.batch, call.nq, d_v))
-    return ((o, call.result(lse, (*call.batch, call.nq))) if return_lse
+    o = call.result(o, (*call.heads, call.nq, d_v))
+    return ((o, call.result(lse, (*call.heads, call.nq))) if return_lse
             else o)
 
 
@@ -159,7 +160,8 @@ def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
     kernel(name, d, d_v)[
         (math.ceil(call.nq / br), call.bh, splits), device.THREADS,
         call.stream](call.to_kernel(q, (call.bh, call.nq, d)),
-                     call.to_kernel(k, (call.bh, call.nk, d)), vk, parts_k,
+                     call.to_kernel(k, (call.bh_kv, call.nk, d)), vk,
+                     parts_k,
                      lses_k, *call.args)
     device.combine_splits[
         (math.ceil(call.nq * d_v / device.THREADS), call.bh),
@@ -241,8 +243,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                                align=align))
     bh, nq, nk = call.bh, call.nq, call.nk
     qk = call.to_kernel(q, (bh, nq, d))
-    kk = call.to_kernel(k, (bh, nk, d))
-    vk = call.to_kernel(v, (bh, nk, d_v))
+    kk = call.to_kernel(k, (call.bh_kv, nk, d))
+    vk = call.to_kernel(v, (call.bh_kv, nk, d_v))
     ok = call.to_kernel(o, (bh, nq, d_v))
     dok = call.to_kernel(do, (bh, nq, d_v))
     lsek = call.to_kernel(lse, (bh, nq))
@@ -250,6 +252,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     device.row_dot[(math.ceil(nq / device.THREADS), bh), device.THREADS,
                    call.stream](dok, ok, delta_k)
     dq, dq_k = call.empty((bh, nq, d))
+    # dK, dV per query head; a K/V head's is the sum over its group
     dk, dk_k = call.empty((bh, nk, d))
     dv, dv_k = call.empty((bh, nk, d_v))
     suffix = "_blocked" if blocked else ""
@@ -259,9 +262,10 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     kernel("backward_q" + suffix, d, d_v)[
         (math.ceil(nq / rows), bh), nt, call.stream](
         qk, kk, vk, dok, lsek, delta_k, dq_k, *call.args)
-    return (call.result(dq, (*call.batch, nq, d)),
-            call.result(dk, (*call.batch, nk, d)),
-            call.result(dv, (*call.batch, nk, d_v)))
+    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    return (call.result(dq, (*call.heads, nq, d)),
+            call.result(dk, (*k.shape[:-2], nk, d)),
+            call.result(dv, (*v.shape[:-2], nk, d_v)))
 
 
 def _check_version(version, dtype, d, d_v):
@@ -360,6 +364,9 @@ class _Call:
             *(kernel_args.proxy(x, np.float32) for x in (q, k, v)),
             options)
         self.bh = int(np.prod(self.batch))
+        self.group = a.rules.group  # query heads per K/V head
+        self.bh_kv = self.bh // self.group
+        self.heads = tuple(q.shape[:-2])  # the caller's leading dims
         self.nq, self.nk = plan.nq, plan.nk
         self.plan = plan
         self.torch = type(q).__module__.startswith("torch")
@@ -438,17 +445,44 @@ class _Call:
         """(BH, d_v) bool on the device: column x of V[b] holds a NaN or
         an inf (flashlab.nonfinite)."""
         nk, d_v = v_k.shape[1:]
-        bad = self.zeros_bool((self.bh, d_v))
-        grid = (math.ceil(nk * d_v / device.THREADS), self.bh)
+        bad = self.zeros_bool((self.bh_kv, d_v))
+        grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
         if not nk:
-            return bad
+            return self.per_query_head(bad)
         if dtype in HALF_BITS:
             warp.find_bad_columns16[grid, device.THREADS, self.stream](
                 v_k, bad, HALF_BITS[dtype][0])
         else:
             device.find_bad_columns[grid, device.THREADS, self.stream](
                 v_k, bad)
-        return bad
+        return self.per_query_head(bad)
+
+    def per_query_head(self, bad):
+        """(BH_kv, d_v) flags as (BH, d_v): one row per query head (a
+        small copy, only with grouped heads)."""
+        if self.group == 1:
+            return bad
+        from numba import cuda
+
+        if self.torch:
+            import torch
+
+            return cuda.as_cuda_array(torch.as_tensor(
+                bad, device=self.device).repeat_interleave(self.group, 0))
+        return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
+
+    def group_sum(self, grad):
+        """(BH, N, d) per query head summed over each group: (BH_kv, N,
+        d), in the kind of `grad`."""
+        if self.group == 1:
+            return grad
+        if self.torch:
+            return grad.view(self.bh_kv, self.group, *grad.shape[1:]).sum(1)
+        from numba import cuda
+
+        host = grad.copy_to_host()
+        total = host.reshape(self.bh_kv, self.group, *host.shape[1:]).sum(1)
+        return cuda.to_device(total)
 
     def finish(self, o_k, lse_k, v_k):
         """Apply flashlab.nonfinite's rule to the output of v1-v4."""

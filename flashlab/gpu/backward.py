@@ -53,15 +53,16 @@ def make_kv(D, D_V):
         pvv = cuda.local.array(D_V, float32)  # apart (a blocked sum)
         t = cuda.threadIdx.x
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         j0 = cuda.blockIdx.x * NT
         j = j0 + t
         nq, nk = q.shape[1], k.shape[1]
         j1 = min(j0 + NT, nk)
         for x in range(D):
-            k_s[t, x] = k[b, j, x] if j < nk else F0
+            k_s[t, x] = k[bk, j, x] if j < nk else F0
             dk_j[x] = F0
         for x in range(D_V):
-            v_s[t, x] = v[b, j, x] if j < nk else F0
+            v_s[t, x] = v[bk, j, x] if j < nk else F0
             dv_j[x] = F0
         for i0 in range(0, nq, CH):
             if tile_skipped(i0, min(i0 + CH, nq), j0, j1, rules, kv_len[b]):
@@ -118,6 +119,7 @@ def make_q(D, D_V):
         pq = cuda.local.array(D, float32)  # this chunk's share
         t = cuda.threadIdx.x
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * NT
         i = i0 + t
         nq, nk = q.shape[1], k.shape[1]
@@ -133,8 +135,8 @@ def make_q(D, D_V):
             if tile_skipped(i0, i1, j0, min(j0 + CH, nk), rules, kv_len[b]):
                 continue
             cuda.syncthreads()  # the previous chunk is no longer read
-            stage(k_s, k, b, j0, CH, D, F1, t, NT)
-            stage(v_s, v, b, j0, CH, D_V, F1, t, NT)
+            stage(k_s, k, bk, j0, CH, D, F1, t, NT)
+            stage(v_s, v, bk, j0, CH, D_V, F1, t, NT)
             cuda.syncthreads()  # the chunk of K and V is loaded
             for x in range(D):
                 pq[x] = F0
@@ -199,14 +201,15 @@ def make_kv_blocked(D, D_V):
         vv = cuda.local.array(OV, float32)
         nq, nk = q.shape[1], k.shape[1]
         t, ty, tx, b, j0, j1 = place(BK, TX, nk)
+        bk = b // rules.group  # the K/V head of query head b
         kv = kv_len[b]
         for a in range(RM):
             ones[a] = F1
         fill(acc_k, F0, RM, OK_)
         fill(acc_v, F0, RM, OV)
         # HBM -> SRAM once: K_j, V_j, used against every query chunk
-        stage(k_s, k, b, j0, BK, D, F1, t, THREADS)
-        stage(v_s, v, b, j0, BK, D_V, F1, t, THREADS)
+        stage(k_s, k, bk, j0, BK, D, F1, t, THREADS)
+        stage(v_s, v, bk, j0, BK, D_V, F1, t, THREADS)
         for i0 in range(0, nq, BQ):
             i1 = min(i0 + BQ, nq)
             if tile_skipped(i0, i1, j0, j1, rules, kv):
@@ -273,6 +276,7 @@ def make_q_blocked(D, D_V):
         vq = cuda.local.array(OQ, float32)
         nq, nk = q.shape[1], k.shape[1]
         t, ty, tx, b, i0, i1 = place(BQ, TX, nq)
+        bk = b // rules.group  # the K/V head of query head b
         kv = kv_len[b]
         for a in range(RM):
             ones[a] = F1
@@ -285,8 +289,8 @@ def make_q_blocked(D, D_V):
             if tile_skipped(i0, i1, j0, j1, rules, kv):
                 continue  # uniform over the block: barriers stay aligned
             cuda.syncthreads()  # the previous chunk is no longer read
-            stage(k_s, k, b, j0, BK, D, F1, t, THREADS)
-            stage(v_s, v, b, j0, BK, D_V, F1, t, THREADS)
+            stage(k_s, k, bk, j0, BK, D, F1, t, THREADS)
+            stage(v_s, v, bk, j0, BK, D_V, F1, t, THREADS)
             cuda.syncthreads()  # Q_i, dO_i and this K/V chunk are in SRAM
             score_piece(s, qa, q_s, k_s, ty * RM, tx * CN, RM, CN, D)
             score_piece(dp, qa, do_s, v_s, ty * RM, tx * CN, RM, CN, D_V)

@@ -79,7 +79,7 @@ def signature(name):
     a2 = float32[:, ::1]
     f = float32(0)
     rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
-                               uint64(0), False, f, f))
+                               uint64(0), False, f, f, 1))
     arrays = {
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3),

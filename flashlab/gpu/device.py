@@ -209,9 +209,11 @@ def open_tile(s, qa, q_s, k_s, v_s, k, v, b, i0, i1, j0, nq, rules,
         return False  # uniform over the block: barriers stay aligned
     full = (not rules.use_mask and j1 - j0 == bc
             and tile_full(i0, i1, j0, j1, rules, kv))
-    # HBM -> SRAM: K_j, V_j (Bc (d + d_v) floats), used by all Br rows
-    stage(k_s, k, b, j0, bc, d, F1, t, THREADS)
-    stage(v_s, v, b, j0, bc, d_v, F1, t, THREADS)
+    # HBM -> SRAM: K_j, V_j (Bc (d + d_v) floats) of query head b's K/V
+    # head, used by all Br rows
+    bk = b // rules.group
+    stage(k_s, k, bk, j0, bc, d, F1, t, THREADS)
+    stage(v_s, v, bk, j0, bc, d_v, F1, t, THREADS)
     cuda.syncthreads()  # K_j, V_j loaded before any thread reads them
     tx_n = bc // cn
     ty, tx = t // tx_n, t % tx_n

@@ -32,6 +32,7 @@ def make(D, D_V):
     @cuda.jit
     def forward_v1(q, k, v, o, lse, rules, kv_len, mask):
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         nq, nk = q.shape[1], k.shape[1]
         if i >= nq:
@@ -49,13 +50,13 @@ def make(D, D_V):
                 continue
             s = F0
             for x in range(D):
-                s += q_i[x] * k[b, j, x]
+                s += q_i[x] * k[bk, j, x]
             m, shift, alpha = row_step(m, s, rules.lowest)
             p = math.exp(s - shift)
             l = alpha * l + p
             p *= dropout_weight(b, i, j, rules)
             for x in range(D_V):
-                acc[x] = alpha * acc[x] + p * v[b, j, x]
+                acc[x] = alpha * acc[x] + p * v[bk, j, x]
         store_row(o, lse, b, i, acc, m, l, D_V)
 
     return forward_v1

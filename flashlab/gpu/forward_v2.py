@@ -44,6 +44,7 @@ def make(D, D_V):
         t = cuda.threadIdx.x
         rows = cuda.blockDim.x
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * rows
         i = i0 + t
         nq, nk = q.shape[1], k.shape[1]
@@ -58,8 +59,8 @@ def make(D, D_V):
             if tile_skipped(i0, i1, j0, min(j0 + BC, nk), rules, kv_len[b]):
                 continue  # the same decision in every thread of the block
             # HBM -> SRAM: K_j, V_j (Bc (d + dv) floats), used by all rows
-            stage(k_s, k, b, j0, BC, D, F1, t, rows)
-            stage(v_s, v, b, j0, BC, D_V, F1, t, rows)
+            stage(k_s, k, bk, j0, BC, D, F1, t, rows)
+            stage(v_s, v, bk, j0, BC, D_V, F1, t, rows)
             cuda.syncthreads()  # K_j, V_j fully loaded before any read
             tile_max = NEG_INF
             for c in range(BC):

@@ -76,6 +76,7 @@ def make(D, D_V, kind="bf16"):
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
@@ -87,7 +88,7 @@ def make(D, D_V, kind="bf16"):
         # HBM -> SRAM: Q_i (Br d) and the first K tile (Bc d)
         load_tile16(q_at, q, b, i0, BR, D, t)
         if first <= last:
-            load_tile16(k_at, k, b, first * BC, BC, D, t)
+            load_tile16(k_at, k, bk, first * BC, BC, D, t)
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()  # Q_i, K_first in SRAM for every warp
@@ -107,7 +108,7 @@ def make(D, D_V, kind="bf16"):
         for jt in range(first, last + 1):
             j0 = jt * BC
             # HBM -> SRAM: V_j (Bc d_v), landing while S_ij is computed
-            load_tile16(v_at, v, b, j0, BC, D_V, t)
+            load_tile16(v_at, v, bk, j0, BC, D_V, t)
             cp_async_commit()
             # S_ij = Q_i K_j^T: (16, Bc) per warp, KD x NS mmas
             for n in range(NS):
@@ -127,7 +128,7 @@ def make(D, D_V, kind="bf16"):
             cp_async_wait_all()
             cuda.syncthreads()  # V_j landed; no warp reads K_j any more
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
-                load_tile16(k_at, k, b, j0 + BC, BC, D, t)
+                load_tile16(k_at, k, bk, j0 + BC, BC, D, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
                          nq, nk, rules, kv_len, mask)  # S_ij -> P_ij

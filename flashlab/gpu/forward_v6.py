@@ -99,6 +99,7 @@ def make(D, D_V, precision="3xtf32"):
         w, lane = t // 32, t % 32
         g, tq = lane // 4, lane % 4
         b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
@@ -107,7 +108,7 @@ def make(D, D_V, precision="3xtf32"):
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
         k_at, v_at = shared_address(k_s, 0), shared_address(v_s, 0)
         if first <= last:  # HBM -> SRAM: the first K tile (Bc d)
-            load_tile32(k_at, k, b, first * BC, BC, D, SK, t)
+            load_tile32(k_at, k, bk, first * BC, BC, D, SK, t)
         cp_async_commit()
         for h in range(2):
             m[h] = NEG_INF
@@ -121,7 +122,7 @@ def make(D, D_V, precision="3xtf32"):
         for jt in range(first, last + 1):
             j0 = jt * BC
             # HBM -> SRAM: V_j (Bc d_v), landing while S_ij is computed
-            load_tile32(v_at, v, b, j0, BC, D_V, SV, t)
+            load_tile32(v_at, v, bk, j0, BC, D_V, SV, t)
             cp_async_commit()
             # S_ij = Q_i K_j^T; K_j^T's B fragment: keys g, dims t, t + 4
             for n in range(NS):
@@ -140,7 +141,7 @@ def make(D, D_V, precision="3xtf32"):
             cp_async_wait_all()
             cuda.syncthreads()  # V_j landed; no warp reads K_j any more
             if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
-                load_tile32(k_at, k, b, j0 + BC, BC, D, SK, t)
+                load_tile32(k_at, k, bk, j0 + BC, BC, D, SK, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
                          nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
