@@ -38,14 +38,17 @@ def _progress(step, total, label):
           end="", file=sys.stderr, flush=True)
 
 
-def _gpu_time(fn, reps):
-    """Median milliseconds of fn() by CUDA events, after two warm-ups."""
+def _gpu_time(fn, reps, before=None):
+    """Median milliseconds of fn() by CUDA events, after two warm-ups;
+    before(), if given, runs ahead of each timed call, untimed."""
     import torch
 
     fn()
     fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = torch.cuda.Event(enable_timing=True)
         stop = torch.cuda.Event(enable_timing=True)
         start.record()

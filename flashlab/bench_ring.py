@@ -14,7 +14,6 @@ sent per call, beside `costs.ring_transfers`. Writes ring.json.
 import json
 import os
 import socket
-import statistics
 import sys
 
 from flashlab import costs
@@ -133,23 +132,18 @@ def _single(q, k, v, do, causal, backward, reps):
 
 
 def _time(fn, reps):
-    """Median milliseconds of fn() by CUDA events, after one warm-up."""
+    """Median ms of fn() (bench's timer), the ranks lined up before each
+    call so that no rank's clock starts while another still works."""
     import torch
     import torch.distributed as dist
 
-    fn()
-    times = []
-    for _ in range(reps):
+    from flashlab import bench
+
+    def line_up():
         dist.barrier()
         torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return round(statistics.median(times), 3)
+
+    return round(bench._gpu_time(fn, reps, before=line_up), 3)
 
 
 def _slowest(ms):

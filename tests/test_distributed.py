@@ -192,3 +192,16 @@ def test_ring_on_gpus_over_nccl():
     seed = int(np.random.SeedSequence().entropy % 2**32)
     print(f"nccl ring seed {seed}, {world} GPUs")
     mp.spawn(_gpu_worker, args=(world, _free_port(), seed), nprocs=world)
+
+
+def test_stored_ring_traffic_matches_the_count():
+    # the two-H200 run (bench --ring): every rank sent exactly what
+    # costs.ring_transfers predicts, K/V in bf16 and dK/dV in float32
+    from flashlab import bench_ring, measured
+
+    rows = measured.record("ring_h200x2.json")["rows"]
+    assert {r["world"] for r in rows} == {1, 2}
+    for r in rows:
+        want = bench_ring.predicted_bytes(r["world"], r["n"], r["backward"])
+        assert r["sent_bytes"] == r["predicted_bytes"] == want
+    assert "GPUs" in bench_ring.table(rows)
