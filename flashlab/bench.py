@@ -214,7 +214,6 @@ def _tensor_case(d, n, causal, reps, b, h):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashlab import gpu
-    from flashlab import torch as fl_torch
 
     gen = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", generator=gen)
@@ -229,7 +228,6 @@ def _tensor_case(d, n, causal, reps, b, h):
         return run
 
     fwd = _flops(b, h, n, d, causal)
-    bwd = _flops(b, h, n, d, causal, backward=True)
     rows = []
     timed = {"flashlab v5 bf16": lambda: gpu.attention(*half[:3],
                                                         causal=causal),
@@ -239,21 +237,7 @@ def _tensor_case(d, n, causal, reps, b, h):
     rows += [_row("gpu", name, "forward", causal, b, h, n, d, t, fwd,
                   ms["torch flash bf16"] / t) for name, t in ms.items()]
 
-    def backward(fn):
-        x = [t.clone().requires_grad_() for t in half[:3]]
-        out = fn(x)
-        return lambda: torch.autograd.grad(out, x, half[3],
-                                           retain_graph=True)
-
-    def flash(x):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(*x, is_causal=causal)
-
-    ms = {"flashlab bf16": _gpu_time(backward(lambda x: fl_torch.attention(
-              *x, causal=causal)), reps),
-          "torch flash bf16": _gpu_time(backward(flash), reps)}
-    rows += [_row("gpu", name, "backward", causal, b, h, n, d, t, bwd,
-                  ms["torch flash bf16"] / t) for name, t in ms.items()]
+    rows += _backward_rows(half, causal, reps, b, h, n, d)
     timed = {"flashlab v6 3xtf32": lambda: gpu.attention(
                  q, k, v, version=6, causal=causal),
              "flashlab v6 tf32": lambda: gpu.attention(
@@ -265,6 +249,50 @@ def _tensor_case(d, n, causal, reps, b, h):
     ms = {name: _gpu_time(fn, reps) for name, fn in timed.items()}
     rows += [_row("gpu", name, "forward", causal, b, h, n, d, t, fwd,
                   ms["torch efficient"] / t) for name, t in ms.items()]
+    return rows
+
+
+def _backward_rows(half, causal, reps, b, h, n, d):
+    """bf16 backward of flashlab.torch (tensor cores: backward_v5) and of
+    torch's flash kernel, autograd from a saved forward, timed alone."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import torch as fl_torch
+
+    def backward(fn):
+        x = [t.clone().requires_grad_() for t in half[:3]]
+        out = fn(x)
+        return lambda: torch.autograd.grad(out, x, half[3],
+                                           retain_graph=True)
+
+    def flash(x):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(*x, is_causal=causal)
+
+    bwd = _flops(b, h, n, d, causal, backward=True)
+    ms = {"flashlab bf16": _gpu_time(backward(lambda x: fl_torch.attention(
+              *x, causal=causal)), reps),
+          "torch flash bf16": _gpu_time(backward(flash), reps)}
+    return [_row("gpu", name, "backward", causal, b, h, n, d, t, bwd,
+                 ms["torch flash bf16"] / t) for name, t in ms.items()]
+
+
+def backward_rows(sizes=(1024, 4096, 16384), dims=(64, 128), b=2, h=8):
+    """--tensor-cores --backward-only: the bf16 backward rows alone."""
+    import torch
+
+    rows = []
+    for d in dims:
+        for n in sizes:
+            for causal in (False, True):
+                gen = torch.Generator(device="cuda").manual_seed(n + d)
+                half = [torch.randn(b, h, n, d, device="cuda",
+                                    generator=gen).bfloat16()
+                        for _ in range(4)]
+                rows += _backward_rows(half, causal, 5 if n > 8192 else 20,
+                                       b, h, n, d)
     return rows
 
 
@@ -541,6 +569,8 @@ def main(argv=None):
                     help="bf16 and 3xTF32 forward (d = 64, 128) against "
                          "torch's flash, cuDNN and efficient kernels, "
                          "with accuracy and the tensor-core roofs")
+    ap.add_argument("--backward-only", action="store_true",
+                    help="with --tensor-cores: the bf16 backward rows only")
     ap.add_argument("--ring", action="store_true",
                     help="ring attention over NCCL on every GPU here "
                          "against one GPU (see flashlab.bench_ring)")
@@ -554,6 +584,15 @@ def main(argv=None):
               f" device copy {roofs['copy_tbps']:.2f} TB/s")
         return roofs
     rows, memory = [], None
+    if args.tensor_cores and args.backward_only:
+        rows = backward_rows()
+        with open(os.path.join(args.out, "tensor_backward.csv"), "w",
+                  newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        print(table(rows))
+        return rows
     if args.tensor_cores:
         return tensor_main(args)
     if args.ring:

@@ -3,7 +3,7 @@
 CPU tensors (float32, float64) run the tiled numpy path, CUDA tensors the
 numba.cuda kernels of flashlab.gpu in place through
 __cuda_array_interface__: float32 on the default version, bf16 and
-float16 on the tensor cores (v5). The
+float16 on the tensor cores (v5, and backward_v5 for the gradients). The
 forward saves q, k, v, o and the row log-sum-exp only; the backward
 recomputes score tiles from them, so no (Nq, Nk) tensor lives between the
 two passes. The backward is itself not differentiable: asking for a second
@@ -51,10 +51,15 @@ class Attention(torch.autograd.Function):
         if q.is_cuda:
             from flashlab import gpu
 
-            # the backward kernels run float32: 16-bit tensors are
-            # widened for them and the gradients rounded back
-            wide = [x.float() for x in (q, k, v, o, lse, do.contiguous())]
-            grads = gpu.attention_backward(*wide, **ctx.options)
+            saved = (q, k, v, o, lse, do.contiguous())
+            d, d_v = q.shape[-1], v.shape[-1]
+            if q.dtype != torch.float32 and not (
+                    d in gpu.backward_v5.HEAD_DIMS
+                    and d_v in gpu.backward_v5.HEAD_DIMS):
+                # no tensor-core backward at these head dims: the
+                # float32 kernels on widened copies
+                saved = [x.float() for x in saved]
+            grads = gpu.attention_backward(*saved, **ctx.options)
             return (*(g.to(q.dtype) for g in grads), None, None)
         grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
                                          **ctx.options)

@@ -31,8 +31,24 @@ def forward_calls(d):
     return calls
 
 
+def backward16(rng):
+    """The tensor-core backward (float16 numpy inputs), ragged and
+    grouped, masked and not."""
+    for kv_heads, opts in ((2, dict()), (1, dict(causal=True,
+                                                 window=(20, 3)))):
+        q = rng.standard_normal((1, 2, 77, 64)).astype(np.float16)
+        k, v = (rng.standard_normal((1, kv_heads, 90, 64)).astype(
+            np.float16) for _ in range(2))
+        o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
+        grads = gpu.attention_backward(q, k, v, o, lse, np.ones_like(q),
+                                       **opts)
+        assert all(np.isfinite(g).all() for g in grads)
+    print("the 16-bit backward ran")
+
+
 def main():
     rng = np.random.default_rng(0)
+    backward16(rng)
     for d in (16, 64, 128):
         q, k, v = (rng.standard_normal((2, 77, d)).astype(np.float32)
                    for _ in range(3))
@@ -91,4 +107,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["backward16"]:
+        backward16(np.random.default_rng(0))
+    else:
+        main()

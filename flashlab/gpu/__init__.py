@@ -26,6 +26,7 @@ from flashlab._validate import check_flag
 from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before any kernel)
     backward,
+    backward_v5,
     device,
     forward_v1,
     forward_v2,
@@ -228,19 +229,36 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
                        order="fa2", align=None):
-    """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward."""
+    """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward.
+
+    float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
+    dims in backward_v5.HEAD_DIMS) the tensor-core kernels of
+    `backward_v5`, with lse float32 as the forward returns it and float32
+    gradients.
+    """
     tiled.check_order(order)  # one backward loop follows either forward
-    d, d_v, _ = _check_device_inputs((("q", q), ("k", k), ("v", v)),
-                                     dtypes=("float32",))
+    options = dict(scale=scale, causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
+                   align=align)
+    d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    if dtype in HALF_BITS:
+        if d not in backward_v5.HEAD_DIMS or d_v not in backward_v5.HEAD_DIMS:
+            raise ValueError(
+                f"q: the 16-bit backward runs head dims "
+                f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
+                f"float32 copies")
+        _check_fixed_blocks("backward_v5", block_q, backward_v5.BR,
+                            block_k, backward_v5.BC)
+        return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options)
+    if dtype != "float32":
+        raise TypeError(f"q: expected float32, bfloat16 or float16 for "
+                        f"the backward, got {dtype}")
     blocked = max(d, d_v) <= backward.BLOCKED_MAX_DIM
     nt, rows = ((device.THREADS, backward.BLOCK_BWD) if blocked
                 else (backward.sizes(d, d_v)[0],) * 2)
     _check_fixed_blocks("backward", block_q, rows, block_k, rows)
     tiled.check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
-    call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
-                               window=window, kv_lengths=kv_lengths,
-                               dropout_p=dropout_p, seed=seed,
-                               align=align))
+    call = _Call(q, k, v, options)
     bh, nq, nk = call.bh, call.nq, call.nk
     qk = call.to_kernel(q, (bh, nq, d))
     kk = call.to_kernel(k, (call.bh_kv, nk, d))
@@ -262,6 +280,52 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     kernel("backward_q" + suffix, d, d_v)[
         (math.ceil(nq / rows), bh), nt, call.stream](
         qk, kk, vk, dok, lsek, delta_k, dq_k, *call.args)
+    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    return (call.result(dq, (*call.heads, nq, d)),
+            call.result(dk, (*k.shape[:-2], nk, d)),
+            call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
+    """The tensor-core backward (backward_v5) of 16-bit q, k, v, o, dO."""
+    out_shape = (*q.shape[:-1], d_v)
+    for name, x, shape in (("o", o, out_shape), ("do", do, out_shape),
+                           ("lse", lse, tuple(q.shape[:-1]))):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {shape}, got "
+                             f"{tuple(x.shape)}")
+        want = "float32" if name == "lse" else dtype
+        if str(x.dtype).removeprefix("torch.") != want:
+            raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+    call = _Call(q, k, v, options)
+    if not (call.torch or call.numpy):
+        raise TypeError("q: the 16-bit backward takes torch tensors or "
+                        "numpy arrays")
+    bh, nq, nk = call.bh, call.nq, call.nk
+    # D_i = rowsum(dO_i o O_i) in float32, by the array library
+    if call.torch:
+        delta = (do.float() * o.float()).sum(-1).reshape(bh, nq)
+        lse32 = lse.reshape(bh, nq)
+    else:
+        delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1)
+        delta, lse32 = delta.reshape(bh, nq), lse.reshape(bh, nq)
+    arrays = [call.to_kernel(q, (bh, nq, d)),
+              call.to_kernel(k, (call.bh_kv, nk, d)),
+              call.to_kernel(v, (call.bh_kv, nk, d_v)),
+              call.to_kernel(do, (bh, nq, d_v)),
+              call.to_kernel(lse32, (bh, nq)), call.to_kernel(delta,
+                                                              (bh, nq))]
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    dq, dq_k = call.empty((bh, nq, d))
+    dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
+    dv, dv_k = call.empty((bh, nk, d_v))
+    if bh and nq and nk:
+        kernel(f"backward_v5_dkv_{kind}", d, d_v)[
+            (math.ceil(nk / backward_v5.BC), bh), warp.THREADS,
+            call.stream](*arrays, dk_k, dv_k, *call.args)
+        kernel(f"backward_v5_dq_{kind}", d, d_v)[
+            (math.ceil(nq / backward_v5.BR), bh), warp.THREADS,
+            call.stream](*arrays, dq_k, *call.args)
     dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
             call.result(dk, (*k.shape[:-2], nk, d)),

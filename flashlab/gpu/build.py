@@ -12,6 +12,7 @@ import functools
 from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before compiling)
     backward,
+    backward_v5,
     forward_v1,
     forward_v2,
     forward_v3,
@@ -35,6 +36,13 @@ FACTORIES = {
     "backward_q": backward.make_q,
     "backward_kv_blocked": backward.make_kv_blocked,
     "backward_q_blocked": backward.make_q_blocked,
+    "backward_v5_dq_bf16": functools.partial(backward_v5.make_dq,
+                                             kind="bf16"),
+    "backward_v5_dq_f16": functools.partial(backward_v5.make_dq, kind="f16"),
+    "backward_v5_dkv_bf16": functools.partial(backward_v5.make_dkv,
+                                              kind="bf16"),
+    "backward_v5_dkv_f16": functools.partial(backward_v5.make_dkv,
+                                             kind="f16"),
 }
 _cache = {}
 
@@ -56,6 +64,8 @@ def supports(name, d, d_v):
     """Whether kernel `name` is built for head dims d, d_v."""
     if name.startswith(("forward_v5", "forward_v6")):
         return d in forward_v5.HEAD_DIMS and d_v in forward_v5.HEAD_DIMS
+    if name.startswith("backward_v5"):
+        return d in backward_v5.HEAD_DIMS and d_v in backward_v5.HEAD_DIMS
     return (not name.endswith("_blocked")
             or max(d, d_v) <= backward.BLOCKED_MAX_DIM)
 
@@ -88,6 +98,9 @@ def signature(name):
         arrays = (*(int16[:, :, ::1],) * 3, int32[:, :, ::1], a2)
     if name.startswith(("forward_v5", "forward_v6")):  # + bad columns
         arrays = (*arrays, boolean[:, ::1])
+    if name.startswith("backward_v5"):  # 16-bit q, k, v, dO in
+        grads = (a3,) if "_dq_" in name else (a3, a3)
+        arrays = (*(int16[:, :, ::1],) * 4, a2, a2, *grads)
     return (*arrays, rules, int64[::1], uint8[:, :, ::1])
 
 

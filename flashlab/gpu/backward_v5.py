@@ -1,0 +1,365 @@
+"""Backward on the tensor cores, bf16 or float16 inputs (FlashAttention-2).
+
+Two kernels, as the float32 backward, deterministic and without atomics:
+
+- `make_dq`: a block owns 64 query rows, 16 per warp, with Q_i and dO_i
+  held as mma A fragments; K_j and V_j stream through SRAM. Per tile it
+  recomputes S = Q_i K_j^T and dP = dO_i V_j^T on the tensor cores, forms
+  P = exp2(S tau log2 e - lse log2 e) and dS = P (dP - D) in float32 in
+  registers, and accumulates dQ_i += dS K_j, dS re-packed from C to A
+  fragments exactly as the forward re-packs P.
+- `make_dkv`: a block owns 64 keys, 16 per warp, with K_j and V_j as A
+  fragments; Q_i and dO_i stream through SRAM. It computes the transposed
+  tiles S^T = K_j Q_i^T and dP^T = V_j dO_i^T, so a warp's rows are keys
+  and its columns queries, and accumulates dV_j += P^T dO_i and dK_j +=
+  dS^T Q_i.
+
+Masks, padding and dropout follow `tiled`: a pair's rules are checked
+per element wherever a tile is not wholly allowed. Gradients accumulate
+in float32 and are stored in float32; with grouped heads dK and dV are
+per query head, summed over each group by the host. See chapter 10.
+"""
+
+from numba import cuda, float32, int16, int32, int64
+
+from flashlab.gpu.device import (
+    F0,
+    NEG_INF,
+    allowed,
+    dropout_weight,
+    tile_full,
+    tile_skipped,
+)
+from flashlab.gpu.intrinsics import (
+    cp_async_commit,
+    cp_async_wait_all,
+    ex2,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16,
+    mma_f16,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+)
+from flashlab.gpu.warp import (
+    BR,
+    LOG2E,
+    a_from_c,
+    dropped_bits,
+    ldmatrix_a,
+    ldmatrix_b_offset,
+    ldmatrix_b_trans_offset,
+    load_tile16,
+    mask_scores,
+    swizzled_offset,
+    tile_range,
+)
+
+BC = BR  # keys per block (dK, dV) and per K/V tile (dQ)
+ROWS = BR  # the same as a literal for shared arrays
+HEAD_DIMS = (64, 128)  # as forward v5
+
+
+def _kinds(kind):
+    return {"bf16": (mma_bf16, pack_bf16x2),
+            "f16": (mma_f16, pack_f16x2)}[kind]
+
+
+def make_dq(D, D_V, kind="bf16"):
+    """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
+    mma, pack = _kinds(kind)
+    KD, KV = D // 16, D_V // 16  # k-steps of S and of dP
+    NS = BC // 8  # n-tiles of S, dP (8 keys each)
+    NQ = D // 8  # n-tiles of dQ
+    CQ, CV = D // 8, D_V // 8  # 16-byte chunks per SRAM row
+    K_S, V_S = BC * D, BC * D_V  # SRAM tiles (16-bit values)
+
+    @cuda.jit
+    def backward_v5_dq(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
+        # q, k, v, do: (BH, N, d) 16-bit bits; lse, delta: (BH, Nq)
+        k_s = cuda.shared.array(K_S, int16)  # Q_i first, then K_j
+        v_s = cuda.shared.array(V_S, int16)  # dO_i first, then V_j
+        qf = cuda.local.array((KD, 4), int32)  # Q_i: A fragments
+        df = cuda.local.array((KV, 4), int32)  # dO_i: A fragments
+        sf = cuda.local.array((NS, 4), float32)  # S, then P, then dS
+        pf = cuda.local.array((NS, 4), float32)  # dP
+        af = cuda.local.array(4, int32)  # dS: one k-step's A fragment
+        gf = cuda.local.array((NQ, 4), float32)  # dQ_i
+        lse2 = cuda.local.array(2, float32)  # rows g, g + 8, log2 units
+        dl = cuda.local.array(2, float32)
+        t = cuda.threadIdx.x
+        w, lane = t // 32, t % 32
+        b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
+        i0 = cuda.blockIdx.x * BR
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BR, nq)
+        row = i0 + 16 * w + lane // 4  # this lane's first row (g)
+        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        k_at, v_at = shared_address(k_s, 0), shared_address(v_s, 0)
+        # Q_i, dO_i: HBM -> SRAM -> registers, once
+        load_tile16(k_at, q, b, i0, BR, D, t)
+        load_tile16(v_at, do, b, i0, BR, D_V, t)
+        cp_async_commit()
+        cp_async_wait_all()
+        cuda.syncthreads()
+        for ks in range(KD):
+            r, c = ldmatrix_a(lane, ks)
+            a = ldmatrix_x4(k_at + swizzled_offset(r + 16 * w, c, CQ))
+            for x in range(4):
+                qf[ks, x] = a[x]
+        for ks in range(KV):
+            r, c = ldmatrix_a(lane, ks)
+            a = ldmatrix_x4(v_at + swizzled_offset(r + 16 * w, c, CV))
+            for x in range(4):
+                df[ks, x] = a[x]
+        for h in range(2):
+            i = row + 8 * h
+            # an empty row (lse -inf) has no allowed pair: its P is 0
+            # whatever the shift; NaN must stay NaN
+            lse2[h] = F0
+            dl[h] = F0
+            if i < nq:
+                if lse[b, i] != NEG_INF:
+                    lse2[h] = lse[b, i] * LOG2E
+                dl[h] = delta[b, i]
+        for n in range(NQ):
+            for x in range(4):
+                gf[n, x] = F0
+        scale2 = rules.scale * LOG2E
+        cuda.syncthreads()  # every warp has its fragments: SRAM is free
+        for jt in range(first, last + 1):
+            j0 = jt * BC
+            load_tile16(k_at, k, bk, j0, BC, D, t)
+            load_tile16(v_at, v, bk, j0, BC, D_V, t)
+            cp_async_commit()
+            cp_async_wait_all()
+            cuda.syncthreads()
+            for n in range(NS):
+                for x in range(4):
+                    sf[n, x] = F0
+                    pf[n, x] = F0
+            # S = Q_i K_j^T and dP = dO_i V_j^T: (16, Bc) per warp
+            for jp in range(NS // 2):
+                for ks in range(KD):
+                    kb = ldmatrix_x4(k_at + ldmatrix_b_offset(
+                        lane, jp, ks, CQ))
+                    for y in range(2):
+                        n = 2 * jp + y
+                        d = mma(qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3],
+                                kb[2 * y], kb[2 * y + 1], sf[n, 0],
+                                sf[n, 1], sf[n, 2], sf[n, 3])
+                        for x in range(4):
+                            sf[2 * jp + y, x] = d[x]
+                for ks in range(KV):
+                    vb = ldmatrix_x4(v_at + ldmatrix_b_offset(
+                        lane, jp, ks, CV))
+                    for y in range(2):
+                        n = 2 * jp + y
+                        d = mma(df[ks, 0], df[ks, 1], df[ks, 2], df[ks, 3],
+                                vb[2 * y], vb[2 * y + 1], pf[n, 0],
+                                pf[n, 1], pf[n, 2], pf[n, 3])
+                        for x in range(4):
+                            pf[2 * jp + y, x] = d[x]
+            # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
+            for n in range(NS):
+                for x in range(4):
+                    sf[n, x] *= scale2
+            if rules.use_mask or j0 + BC > nk or not tile_full(
+                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
+                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask, NS)
+            gone = dropped_bits(b, row, j0, rules, NS) if (
+                rules.use_dropout) else int64(0)
+            for n in range(NS):
+                for x in range(4):
+                    z = F0 if (gone >> (4 * n + x)) & 1 else rules.drop_scale
+                    p = ex2(sf[n, x] - lse2[x >> 1])
+                    sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
+            # dQ_i += dS K_j: dS's C fragments are its A fragments
+            for kp in range(NS // 2):
+                for x in range(4):
+                    n, e = a_from_c(x)
+                    af[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
+                for op in range(NQ // 2):
+                    kb = ldmatrix_x4_trans(k_at + ldmatrix_b_trans_offset(
+                        lane, kp, op, CQ))
+                    for y in range(2):
+                        n = 2 * op + y
+                        d = mma(af[0], af[1], af[2], af[3], kb[2 * y],
+                                kb[2 * y + 1], gf[n, 0], gf[n, 1],
+                                gf[n, 2], gf[n, 3])
+                        for x in range(4):
+                            gf[2 * op + y, x] = d[x]
+            cuda.syncthreads()  # no warp reads K_j, V_j any more
+        for h in range(2):
+            i = row + 8 * h
+            if i < nq:
+                for n in range(NQ):
+                    x = 8 * n + 2 * (lane % 4)
+                    dq[b, i, x] = gf[n, 2 * h] * rules.scale
+                    dq[b, i, x + 1] = gf[n, 2 * h + 1] * rules.scale
+
+    return backward_v5_dq
+
+
+def make_dkv(D, D_V, kind="bf16"):
+    """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
+    mma, pack = _kinds(kind)
+    KD, KV = D // 16, D_V // 16  # k-steps of S^T and of dP^T
+    NS = BR // 8  # n-tiles of S^T, dP^T (8 queries each)
+    NK, NV = D // 8, D_V // 8  # n-tiles of dK, dV
+    CQ, CV = D // 8, D_V // 8  # 16-byte chunks per SRAM row
+    Q_S, O_S = BR * D, BR * D_V  # SRAM tiles (16-bit values)
+
+    @cuda.jit
+    def backward_v5_dkv(q, k, v, do, lse, delta, dk, dv, rules, kv_len,
+                        mask):
+        # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head
+        q_s = cuda.shared.array(Q_S, int16)  # K_j first, then Q_i
+        o_s = cuda.shared.array(O_S, int16)  # V_j first, then dO_i
+        lse_s = cuda.shared.array(ROWS, float32)  # lse_i log2 e (shifts)
+        dl_s = cuda.shared.array(ROWS, float32)  # D_i
+        kf = cuda.local.array((KD, 4), int32)  # K_j: A fragments
+        vf = cuda.local.array((KV, 4), int32)  # V_j: A fragments
+        sf = cuda.local.array((NS, 4), float32)  # S^T, then P^T Z
+        pf = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
+        af = cuda.local.array(4, int32)  # one k-step's A fragment
+        gk = cuda.local.array((NK, 4), float32)  # dK_j
+        gv = cuda.local.array((NV, 4), float32)  # dV_j
+        t = cuda.threadIdx.x
+        w, lane = t // 32, t % 32
+        b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
+        j0 = cuda.blockIdx.x * BC
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + BC, nk)
+        key = j0 + 16 * w + lane // 4  # this lane's first key (g)
+        q_at, o_at = shared_address(q_s, 0), shared_address(o_s, 0)
+        # K_j, V_j: HBM -> SRAM -> registers, once
+        load_tile16(q_at, k, bk, j0, BC, D, t)
+        load_tile16(o_at, v, bk, j0, BC, D_V, t)
+        cp_async_commit()
+        cp_async_wait_all()
+        cuda.syncthreads()
+        for ks in range(KD):
+            r, c = ldmatrix_a(lane, ks)
+            a = ldmatrix_x4(q_at + swizzled_offset(r + 16 * w, c, CQ))
+            for x in range(4):
+                kf[ks, x] = a[x]
+        for ks in range(KV):
+            r, c = ldmatrix_a(lane, ks)
+            a = ldmatrix_x4(o_at + swizzled_offset(r + 16 * w, c, CV))
+            for x in range(4):
+                vf[ks, x] = a[x]
+        for n in range(NK):
+            for x in range(4):
+                gk[n, x] = F0
+        for n in range(NV):
+            for x in range(4):
+                gv[n, x] = F0
+        scale2 = rules.scale * LOG2E
+        tq = 2 * (lane % 4)  # this lane's first column in an n-tile
+        cuda.syncthreads()  # every warp has its fragments: SRAM is free
+        for it in range((nq + BR - 1) // BR):
+            i0 = it * BR
+            i1 = min(i0 + BR, nq)
+            if tile_skipped(i0, i1, j0, j1, rules, kv_len[b]):
+                continue  # the same for the whole block
+            load_tile16(q_at, q, b, i0, BR, D, t)
+            load_tile16(o_at, do, b, i0, BR, D_V, t)
+            cp_async_commit()
+            if t < BR:
+                shift, d_i = F0, F0  # rows past Nq are never stored
+                if i0 + t < nq:
+                    if lse[b, i0 + t] != NEG_INF:  # else no allowed pair
+                        shift = lse[b, i0 + t] * LOG2E
+                    d_i = delta[b, i0 + t]
+                lse_s[t] = shift
+                dl_s[t] = d_i
+            cp_async_wait_all()
+            cuda.syncthreads()
+            for n in range(NS):
+                for x in range(4):
+                    sf[n, x] = F0
+                    pf[n, x] = F0
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, Br) per warp
+            for ip in range(NS // 2):
+                for ks in range(KD):
+                    qb = ldmatrix_x4(q_at + ldmatrix_b_offset(
+                        lane, ip, ks, CQ))
+                    for y in range(2):
+                        n = 2 * ip + y
+                        d = mma(kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3],
+                                qb[2 * y], qb[2 * y + 1], sf[n, 0],
+                                sf[n, 1], sf[n, 2], sf[n, 3])
+                        for x in range(4):
+                            sf[n, x] = d[x]
+                for ks in range(KV):
+                    ob = ldmatrix_x4(o_at + ldmatrix_b_offset(
+                        lane, ip, ks, CV))
+                    for y in range(2):
+                        n = 2 * ip + y
+                        d = mma(vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3],
+                                ob[2 * y], ob[2 * y + 1], pf[n, 0],
+                                pf[n, 1], pf[n, 2], pf[n, 3])
+                        for x in range(4):
+                            pf[n, x] = d[x]
+            # element (n, x): key `key` + 8 (x >> 1), query column
+            # 8 n + tq + (x & 1) of the tile; P^T, then Z, then dS^T
+            full = not rules.use_mask and j1 - j0 == BC and i1 - i0 == BR \
+                and tile_full(i0, i1, j0, j1, rules, kv_len[b])
+            for n in range(NS):
+                for x in range(4):
+                    c = 8 * n + tq + (x & 1)
+                    i, j = i0 + c, key + 8 * (x >> 1)
+                    p = F0
+                    if full or allowed(b, i, j, nq, nk, rules, kv_len,
+                                       mask):
+                        p = ex2(sf[n, x] * scale2 - lse_s[c])
+                    z = dropout_weight(b, i, j, rules)
+                    sf[n, x] = p * z
+                    pf[n, x] = p * (pf[n, x] * z - dl_s[c])
+            # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments are
+            # A fragments, dO_i and Q_i the B operands (read transposed)
+            for kp in range(NS // 2):
+                for x in range(4):
+                    n, e = a_from_c(x)
+                    af[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
+                for op in range(NV // 2):
+                    ob = ldmatrix_x4_trans(o_at + ldmatrix_b_trans_offset(
+                        lane, kp, op, CV))
+                    for y in range(2):
+                        n = 2 * op + y
+                        d = mma(af[0], af[1], af[2], af[3], ob[2 * y],
+                                ob[2 * y + 1], gv[n, 0], gv[n, 1],
+                                gv[n, 2], gv[n, 3])
+                        for x in range(4):
+                            gv[n, x] = d[x]
+                for x in range(4):
+                    n, e = a_from_c(x)
+                    af[x] = pack(pf[2 * kp + n, e], pf[2 * kp + n, e + 1])
+                for op in range(NK // 2):
+                    qb = ldmatrix_x4_trans(q_at + ldmatrix_b_trans_offset(
+                        lane, kp, op, CQ))
+                    for y in range(2):
+                        n = 2 * op + y
+                        d = mma(af[0], af[1], af[2], af[3], qb[2 * y],
+                                qb[2 * y + 1], gk[n, 0], gk[n, 1],
+                                gk[n, 2], gk[n, 3])
+                        for x in range(4):
+                            gk[n, x] = d[x]
+            cuda.syncthreads()  # no warp reads Q_i, dO_i any more
+        for h in range(2):
+            j = key + 8 * h
+            if j < nk:
+                for n in range(NK):
+                    x = 8 * n + tq
+                    dk[b, j, x] = gk[n, 2 * h] * rules.scale
+                    dk[b, j, x + 1] = gk[n, 2 * h + 1] * rules.scale
+                for n in range(NV):
+                    x = 8 * n + tq
+                    dv[b, j, x] = gv[n, 2 * h]
+                    dv[b, j, x + 1] = gv[n, 2 * h + 1]
+
+    return backward_v5_dkv
