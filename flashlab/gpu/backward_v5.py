@@ -27,6 +27,7 @@ from flashlab.gpu.device import (
     NEG_INF,
     allowed,
     dropout_weight,
+    inline,
     tile_full,
     tile_skipped,
 )
@@ -59,6 +60,34 @@ from flashlab.gpu.warp import (
 BC = BR  # keys per block (dK, dV) and per K/V tile (dQ)
 ROWS = BR  # the same as a literal for shared arrays
 HEAD_DIMS = (64, 128)  # as forward v5
+
+
+@inline
+def allowed_bits_t(b, j, i0, nq, nk, rules, kv_len, mask, tiles):
+    """warp.allowed_bits for transposed tiles (rows keys, columns
+    queries): bit 4 n + e set when key j + 8 (e >> 1) may be attended by
+    query i0 + 8 n + 2 t + (e & 1)."""
+    t = cuda.threadIdx.x % 4
+    bits = int64(0)
+    for n in range(tiles):
+        for e in range(4):
+            if allowed(b, i0 + 8 * n + 2 * t + (e & 1), j + 8 * (e >> 1),
+                       nq, nk, rules, kv_len, mask):
+                bits |= int64(1) << (4 * n + e)
+    return bits
+
+
+@inline
+def dropped_bits_t(b, j, i0, rules, tiles):
+    """warp.dropped_bits for transposed tiles (rows keys)."""
+    t = cuda.threadIdx.x % 4
+    bits = int64(0)
+    for n in range(tiles):
+        for e in range(4):
+            if dropout_weight(b, i0 + 8 * n + 2 * t + (e & 1),
+                              j + 8 * (e >> 1), rules) == F0:
+                bits |= int64(1) << (4 * n + e)
+    return bits
 
 
 def _kinds(kind):
@@ -140,9 +169,10 @@ def make_dq(D, D_V, kind="bf16"):
                 for x in range(4):
                     sf[n, x] = F0
                     pf[n, x] = F0
-            # S = Q_i K_j^T and dP = dO_i V_j^T: (16, Bc) per warp
-            for jp in range(NS // 2):
-                for ks in range(KD):
+            # S = Q_i K_j^T and dP = dO_i V_j^T: (16, Bc) per warp, each
+            # a nest of its own, small enough to unroll into registers
+            for ks in range(KD):
+                for jp in range(NS // 2):
                     kb = ldmatrix_x4(k_at + ldmatrix_b_offset(
                         lane, jp, ks, CQ))
                     for y in range(2):
@@ -151,8 +181,9 @@ def make_dq(D, D_V, kind="bf16"):
                                 kb[2 * y], kb[2 * y + 1], sf[n, 0],
                                 sf[n, 1], sf[n, 2], sf[n, 3])
                         for x in range(4):
-                            sf[2 * jp + y, x] = d[x]
-                for ks in range(KV):
+                            sf[n, x] = d[x]
+            for ks in range(KV):
+                for jp in range(NS // 2):
                     vb = ldmatrix_x4(v_at + ldmatrix_b_offset(
                         lane, jp, ks, CV))
                     for y in range(2):
@@ -161,7 +192,7 @@ def make_dq(D, D_V, kind="bf16"):
                                 vb[2 * y], vb[2 * y + 1], pf[n, 0],
                                 pf[n, 1], pf[n, 2], pf[n, 3])
                         for x in range(4):
-                            pf[2 * jp + y, x] = d[x]
+                            pf[n, x] = d[x]
             # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
             for n in range(NS):
                 for x in range(4):
@@ -283,9 +314,10 @@ def make_dkv(D, D_V, kind="bf16"):
                 for x in range(4):
                     sf[n, x] = F0
                     pf[n, x] = F0
-            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, Br) per warp
-            for ip in range(NS // 2):
-                for ks in range(KD):
+            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, Br) per
+            # warp, each a nest of its own, small enough to unroll
+            for ks in range(KD):
+                for ip in range(NS // 2):
                     qb = ldmatrix_x4(q_at + ldmatrix_b_offset(
                         lane, ip, ks, CQ))
                     for y in range(2):
@@ -295,7 +327,8 @@ def make_dkv(D, D_V, kind="bf16"):
                                 sf[n, 1], sf[n, 2], sf[n, 3])
                         for x in range(4):
                             sf[n, x] = d[x]
-                for ks in range(KV):
+            for ks in range(KV):
+                for ip in range(NS // 2):
                     ob = ldmatrix_x4(o_at + ldmatrix_b_offset(
                         lane, ip, ks, CV))
                     for y in range(2):
@@ -306,18 +339,22 @@ def make_dkv(D, D_V, kind="bf16"):
                         for x in range(4):
                             pf[n, x] = d[x]
             # element (n, x): key `key` + 8 (x >> 1), query column
-            # 8 n + tq + (x & 1) of the tile; P^T, then Z, then dS^T
+            # 8 n + tq + (x & 1) of the tile. Which pairs are allowed and
+            # dropped comes first, as bits: the loop that applies them
+            # then stays small enough to keep the fragments in registers
             full = not rules.use_mask and j1 - j0 == BC and i1 - i0 == BR \
                 and tile_full(i0, i1, j0, j1, rules, kv_len[b])
+            ok = int64(-1) if full else allowed_bits_t(
+                b, key, i0, nq, nk, rules, kv_len, mask, NS)
+            gone = dropped_bits_t(b, key, i0, rules, NS) if (
+                rules.use_dropout) else int64(0)
             for n in range(NS):
                 for x in range(4):
                     c = 8 * n + tq + (x & 1)
-                    i, j = i0 + c, key + 8 * (x >> 1)
-                    p = F0
-                    if full or allowed(b, i, j, nq, nk, rules, kv_len,
-                                       mask):
-                        p = ex2(sf[n, x] * scale2 - lse_s[c])
-                    z = dropout_weight(b, i, j, rules)
+                    bit = (4 * n + x)
+                    p = ex2(sf[n, x] * scale2 - lse_s[c]) if (
+                        ok >> bit) & 1 else F0
+                    z = F0 if (gone >> bit) & 1 else rules.drop_scale
                     sf[n, x] = p * z
                     pf[n, x] = p * (pf[n, x] * z - dl_s[c])
             # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments are
