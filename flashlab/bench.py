@@ -190,8 +190,8 @@ def tensor_rows(sizes, reps, dims=(64, 128), b=2, h=8):
     """bf16 and float32 on the tensor cores against torch, per (d, N, causal).
 
     bf16: flashlab v5 against torch's FLASH_ATTENTION (the ratio) and
-    CUDNN_ATTENTION backends, forward and backward (flashlab's backward
-    runs its float32 kernels on widened copies). float32: v6 at 3xTF32
+    CUDNN_ATTENTION backends, forward and backward (flashlab's backward:
+    backward_v5 on the tensor cores). float32: v6 at 3xTF32
     and at tf32, and v3, against torch's memory-efficient kernel.
     """
     import torch
