@@ -25,8 +25,6 @@ from numba import cuda, float32, int16, int32, int64
 from flashlab.gpu.device import (
     F0,
     NEG_INF,
-    allowed,
-    dropout_weight,
     inline,
     tile_full,
     tile_skipped,
@@ -47,7 +45,9 @@ from flashlab.gpu.warp import (
     BR,
     LOG2E,
     a_from_c,
+    allowed_bits_of,
     dropped_bits,
+    dropped_bits_of,
     ldmatrix_a,
     ldmatrix_b_offset,
     ldmatrix_b_trans_offset,
@@ -62,42 +62,63 @@ ROWS = BR  # the same as a literal for shared arrays
 HEAD_DIMS = (64, 128)  # as forward v5
 
 
-@inline
-def allowed_bits_t(b, j, i0, nq, nk, rules, kv_len, mask, tiles):
-    """warp.allowed_bits for transposed tiles (rows keys, columns
-    queries): bit 4 n + e set when key j + 8 (e >> 1) may be attended by
-    query i0 + 8 n + 2 t + (e & 1)."""
-    t = cuda.threadIdx.x % 4
-    bits = int64(0)
-    for n in range(tiles):
-        for e in range(4):
-            if allowed(b, i0 + 8 * n + 2 * t + (e & 1), j + 8 * (e >> 1),
-                       nq, nk, rules, kv_len, mask):
-                bits |= int64(1) << (4 * n + e)
-    return bits
+def _warp_products(kind):
+    """(load_a, times_bt, c_times_b): the warp-level products both
+    kernels are made of, for 16-bit `kind` (bf16, f16)."""
+    mma, pack = {"bf16": (mma_bf16, pack_bf16x2),
+                 "f16": (mma_f16, pack_f16x2)}[kind]
 
+    @inline
+    def load_a(frag, at, lane, row0, ksteps, per_row):
+        """frag (ksteps, 4) = A fragments of rows row0.. of an SRAM tile."""
+        for ks in range(ksteps):
+            r, c = ldmatrix_a(lane, ks)
+            a = ldmatrix_x4(at + swizzled_offset(r + row0, c, per_row))
+            for x in range(4):
+                frag[ks, x] = a[x]
 
-@inline
-def dropped_bits_t(b, j, i0, rules, tiles):
-    """warp.dropped_bits for transposed tiles (rows keys)."""
-    t = cuda.threadIdx.x % 4
-    bits = int64(0)
-    for n in range(tiles):
-        for e in range(4):
-            if dropout_weight(b, i0 + 8 * n + 2 * t + (e & 1),
-                              j + 8 * (e >> 1), rules) == F0:
-                bits |= int64(1) << (4 * n + e)
-    return bits
+    @inline
+    def times_bt(acc, frag, at, lane, ksteps, tiles, per_row):
+        """acc (tiles, 4) += A B^T: A (16, 16 ksteps) in fragments, B the
+        8 tiles rows of an SRAM tile (one row per column of the result)."""
+        for ks in range(ksteps):
+            for jp in range(tiles // 2):
+                bb = ldmatrix_x4(at + ldmatrix_b_offset(lane, jp, ks,
+                                                        per_row))
+                for y in range(2):
+                    n = 2 * jp + y
+                    d = mma(frag[ks, 0], frag[ks, 1], frag[ks, 2],
+                            frag[ks, 3], bb[2 * y], bb[2 * y + 1],
+                            acc[n, 0], acc[n, 1], acc[n, 2], acc[n, 3])
+                    for x in range(4):
+                        acc[n, x] = d[x]
 
+    @inline
+    def c_times_b(acc, c, af, at, lane, kpairs, tiles, per_row):
+        """acc (tiles, 4) += C B: C (16, 16 kpairs) held as C fragments c
+        (re-packed to A fragments in af), B an SRAM tile read transposed
+        (16 kpairs rows, 8 tiles columns)."""
+        for kp in range(kpairs):
+            for x in range(4):
+                n, e = a_from_c(x)
+                af[x] = pack(c[2 * kp + n, e], c[2 * kp + n, e + 1])
+            for op in range(tiles // 2):
+                bb = ldmatrix_x4_trans(at + ldmatrix_b_trans_offset(
+                    lane, kp, op, per_row))
+                for y in range(2):
+                    n = 2 * op + y
+                    d = mma(af[0], af[1], af[2], af[3], bb[2 * y],
+                            bb[2 * y + 1], acc[n, 0], acc[n, 1], acc[n, 2],
+                            acc[n, 3])
+                    for x in range(4):
+                        acc[n, x] = d[x]
 
-def _kinds(kind):
-    return {"bf16": (mma_bf16, pack_bf16x2),
-            "f16": (mma_f16, pack_f16x2)}[kind]
+    return load_a, times_bt, c_times_b
 
 
 def make_dq(D, D_V, kind="bf16"):
     """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
-    mma, pack = _kinds(kind)
+    load_a, times_bt, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S and of dP
     NS = BC // 8  # n-tiles of S, dP (8 keys each)
     NQ = D // 8  # n-tiles of dQ
@@ -133,16 +154,8 @@ def make_dq(D, D_V, kind="bf16"):
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()
-        for ks in range(KD):
-            r, c = ldmatrix_a(lane, ks)
-            a = ldmatrix_x4(k_at + swizzled_offset(r + 16 * w, c, CQ))
-            for x in range(4):
-                qf[ks, x] = a[x]
-        for ks in range(KV):
-            r, c = ldmatrix_a(lane, ks)
-            a = ldmatrix_x4(v_at + swizzled_offset(r + 16 * w, c, CV))
-            for x in range(4):
-                df[ks, x] = a[x]
+        load_a(qf, k_at, lane, 16 * w, KD, CQ)
+        load_a(df, v_at, lane, 16 * w, KV, CV)
         for h in range(2):
             i = row + 8 * h
             # an empty row (lse -inf) has no allowed pair: its P is 0
@@ -171,28 +184,8 @@ def make_dq(D, D_V, kind="bf16"):
                     pf[n, x] = F0
             # S = Q_i K_j^T and dP = dO_i V_j^T: (16, Bc) per warp, each
             # a nest of its own, small enough to unroll into registers
-            for ks in range(KD):
-                for jp in range(NS // 2):
-                    kb = ldmatrix_x4(k_at + ldmatrix_b_offset(
-                        lane, jp, ks, CQ))
-                    for y in range(2):
-                        n = 2 * jp + y
-                        d = mma(qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3],
-                                kb[2 * y], kb[2 * y + 1], sf[n, 0],
-                                sf[n, 1], sf[n, 2], sf[n, 3])
-                        for x in range(4):
-                            sf[n, x] = d[x]
-            for ks in range(KV):
-                for jp in range(NS // 2):
-                    vb = ldmatrix_x4(v_at + ldmatrix_b_offset(
-                        lane, jp, ks, CV))
-                    for y in range(2):
-                        n = 2 * jp + y
-                        d = mma(df[ks, 0], df[ks, 1], df[ks, 2], df[ks, 3],
-                                vb[2 * y], vb[2 * y + 1], pf[n, 0],
-                                pf[n, 1], pf[n, 2], pf[n, 3])
-                        for x in range(4):
-                            pf[n, x] = d[x]
+            times_bt(sf, qf, k_at, lane, KD, NS, CQ)
+            times_bt(pf, df, v_at, lane, KV, NS, CV)
             # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
             for n in range(NS):
                 for x in range(4):
@@ -208,20 +201,7 @@ def make_dq(D, D_V, kind="bf16"):
                     p = ex2(sf[n, x] - lse2[x >> 1])
                     sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
             # dQ_i += dS K_j: dS's C fragments are its A fragments
-            for kp in range(NS // 2):
-                for x in range(4):
-                    n, e = a_from_c(x)
-                    af[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
-                for op in range(NQ // 2):
-                    kb = ldmatrix_x4_trans(k_at + ldmatrix_b_trans_offset(
-                        lane, kp, op, CQ))
-                    for y in range(2):
-                        n = 2 * op + y
-                        d = mma(af[0], af[1], af[2], af[3], kb[2 * y],
-                                kb[2 * y + 1], gf[n, 0], gf[n, 1],
-                                gf[n, 2], gf[n, 3])
-                        for x in range(4):
-                            gf[2 * op + y, x] = d[x]
+            c_times_b(gf, sf, af, k_at, lane, NS // 2, NQ, CQ)
             cuda.syncthreads()  # no warp reads K_j, V_j any more
         for h in range(2):
             i = row + 8 * h
@@ -236,7 +216,7 @@ def make_dq(D, D_V, kind="bf16"):
 
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
-    mma, pack = _kinds(kind)
+    load_a, times_bt, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S^T and of dP^T
     NS = BR // 8  # n-tiles of S^T, dP^T (8 queries each)
     NK, NV = D // 8, D_V // 8  # n-tiles of dK, dV
@@ -273,16 +253,8 @@ def make_dkv(D, D_V, kind="bf16"):
         cp_async_commit()
         cp_async_wait_all()
         cuda.syncthreads()
-        for ks in range(KD):
-            r, c = ldmatrix_a(lane, ks)
-            a = ldmatrix_x4(q_at + swizzled_offset(r + 16 * w, c, CQ))
-            for x in range(4):
-                kf[ks, x] = a[x]
-        for ks in range(KV):
-            r, c = ldmatrix_a(lane, ks)
-            a = ldmatrix_x4(o_at + swizzled_offset(r + 16 * w, c, CV))
-            for x in range(4):
-                vf[ks, x] = a[x]
+        load_a(kf, q_at, lane, 16 * w, KD, CQ)
+        load_a(vf, o_at, lane, 16 * w, KV, CV)
         for n in range(NK):
             for x in range(4):
                 gk[n, x] = F0
@@ -316,37 +288,17 @@ def make_dkv(D, D_V, kind="bf16"):
                     pf[n, x] = F0
             # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, Br) per
             # warp, each a nest of its own, small enough to unroll
-            for ks in range(KD):
-                for ip in range(NS // 2):
-                    qb = ldmatrix_x4(q_at + ldmatrix_b_offset(
-                        lane, ip, ks, CQ))
-                    for y in range(2):
-                        n = 2 * ip + y
-                        d = mma(kf[ks, 0], kf[ks, 1], kf[ks, 2], kf[ks, 3],
-                                qb[2 * y], qb[2 * y + 1], sf[n, 0],
-                                sf[n, 1], sf[n, 2], sf[n, 3])
-                        for x in range(4):
-                            sf[n, x] = d[x]
-            for ks in range(KV):
-                for ip in range(NS // 2):
-                    ob = ldmatrix_x4(o_at + ldmatrix_b_offset(
-                        lane, ip, ks, CV))
-                    for y in range(2):
-                        n = 2 * ip + y
-                        d = mma(vf[ks, 0], vf[ks, 1], vf[ks, 2], vf[ks, 3],
-                                ob[2 * y], ob[2 * y + 1], pf[n, 0],
-                                pf[n, 1], pf[n, 2], pf[n, 3])
-                        for x in range(4):
-                            pf[n, x] = d[x]
+            times_bt(sf, kf, q_at, lane, KD, NS, CQ)
+            times_bt(pf, vf, o_at, lane, KV, NS, CV)
             # element (n, x): key `key` + 8 (x >> 1), query column
             # 8 n + tq + (x & 1) of the tile. Which pairs are allowed and
             # dropped comes first, as bits: the loop that applies them
             # then stays small enough to keep the fragments in registers
             full = not rules.use_mask and j1 - j0 == BC and i1 - i0 == BR \
                 and tile_full(i0, i1, j0, j1, rules, kv_len[b])
-            ok = int64(-1) if full else allowed_bits_t(
-                b, key, i0, nq, nk, rules, kv_len, mask, NS)
-            gone = dropped_bits_t(b, key, i0, rules, NS) if (
+            ok = int64(-1) if full else allowed_bits_of(
+                b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
+            gone = dropped_bits_of(b, key, i0, rules, NS, True) if (
                 rules.use_dropout) else int64(0)
             for n in range(NS):
                 for x in range(4):
@@ -359,33 +311,8 @@ def make_dkv(D, D_V, kind="bf16"):
                     pf[n, x] = p * (pf[n, x] * z - dl_s[c])
             # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments are
             # A fragments, dO_i and Q_i the B operands (read transposed)
-            for kp in range(NS // 2):
-                for x in range(4):
-                    n, e = a_from_c(x)
-                    af[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
-                for op in range(NV // 2):
-                    ob = ldmatrix_x4_trans(o_at + ldmatrix_b_trans_offset(
-                        lane, kp, op, CV))
-                    for y in range(2):
-                        n = 2 * op + y
-                        d = mma(af[0], af[1], af[2], af[3], ob[2 * y],
-                                ob[2 * y + 1], gv[n, 0], gv[n, 1],
-                                gv[n, 2], gv[n, 3])
-                        for x in range(4):
-                            gv[n, x] = d[x]
-                for x in range(4):
-                    n, e = a_from_c(x)
-                    af[x] = pack(pf[2 * kp + n, e], pf[2 * kp + n, e + 1])
-                for op in range(NK // 2):
-                    qb = ldmatrix_x4_trans(q_at + ldmatrix_b_trans_offset(
-                        lane, kp, op, CQ))
-                    for y in range(2):
-                        n = 2 * op + y
-                        d = mma(af[0], af[1], af[2], af[3], qb[2 * y],
-                                qb[2 * y + 1], gk[n, 0], gk[n, 1],
-                                gk[n, 2], gk[n, 3])
-                        for x in range(4):
-                            gk[n, x] = d[x]
+            c_times_b(gv, sf, af, o_at, lane, NS // 2, NV, CV)
+            c_times_b(gk, pf, af, q_at, lane, NS // 2, NK, CQ)
             cuda.syncthreads()  # no warp reads Q_i, dO_i any more
         for h in range(2):
             j = key + 8 * h

@@ -121,9 +121,12 @@ def quad_sum(x):
 
 
 @inline
-def allowed_bits(b, i, j0, nq, nk, rules, kv_len, mask, tiles):
-    """Bit 4 n + e set: pair e of S n-tile n is allowed. i: the lane's
-    first row; j0: the tile's first key.
+def allowed_bits_of(b, r, c0, nq, nk, rules, kv_len, mask, tiles,
+                    keys_in_rows):
+    """Bit 4 n + e set: element e of C n-tile n is an allowed pair. The
+    lane's rows are r and r + 8, its columns c0 + 8 n + 2 t and one more;
+    rows are queries, or keys where keys_in_rows (the backward's
+    transposed tiles).
 
     A loop this large may stay a loop; returning bits instead of writing
     a fragment array keeps the fragments in registers whatever it does.
@@ -132,23 +135,40 @@ def allowed_bits(b, i, j0, nq, nk, rules, kv_len, mask, tiles):
     bits = int64(0)
     for n in range(tiles):
         for e in range(4):
-            if allowed(b, i + 8 * (e >> 1), j0 + 8 * n + 2 * t + (e & 1),
-                       nq, nk, rules, kv_len, mask):
+            row, col = r + 8 * (e >> 1), c0 + 8 * n + 2 * t + (e & 1)
+            i, j = (col, row) if keys_in_rows else (row, col)
+            if allowed(b, i, j, nq, nk, rules, kv_len, mask):
+                bits |= int64(1) << (4 * n + e)
+    return bits
+
+
+@inline
+def allowed_bits(b, i, j0, nq, nk, rules, kv_len, mask, tiles):
+    """allowed_bits_of a tile whose rows are queries: i the lane's first
+    row, j0 the tile's first key."""
+    return allowed_bits_of(b, i, j0, nq, nk, rules, kv_len, mask, tiles,
+                           False)
+
+
+@inline
+def dropped_bits_of(b, r, c0, rules, tiles, keys_in_rows):
+    """Bit 4 n + e set: dropout drops element e of C n-tile n (places as
+    allowed_bits_of)."""
+    t = cuda.threadIdx.x % 4
+    bits = int64(0)
+    for n in range(tiles):
+        for e in range(4):
+            row, col = r + 8 * (e >> 1), c0 + 8 * n + 2 * t + (e & 1)
+            i, j = (col, row) if keys_in_rows else (row, col)
+            if dropout_weight(b, i, j, rules) == F0:
                 bits |= int64(1) << (4 * n + e)
     return bits
 
 
 @inline
 def dropped_bits(b, i, j0, rules, tiles):
-    """Bit 4 n + e set: dropout drops pair e of S n-tile n."""
-    t = cuda.threadIdx.x % 4
-    bits = int64(0)
-    for n in range(tiles):
-        for e in range(4):
-            if dropout_weight(b, i + 8 * (e >> 1),
-                              j0 + 8 * n + 2 * t + (e & 1), rules) == F0:
-                bits |= int64(1) << (4 * n + e)
-    return bits
+    """dropped_bits_of a tile whose rows are queries."""
+    return dropped_bits_of(b, i, j0, rules, tiles, False)
 
 
 @inline
