@@ -1,7 +1,8 @@
 """The fragment layouts and addresses the tensor-core kernels rely on.
 
 CI has no GPU and the simulator cannot run inline PTX, so what v5 and v6
-assume about mma.sync, ldmatrix and shared-memory banks is checked here
+assume about mma.sync, ldmatrix and shared-memory banks (and the way the
+backward_v5 kernels chain them) is checked here
 on flashlab.fragments' numpy model, with the index functions the kernels
 themselves call (fragments.ldmatrix_a, ..., swizzle, forward_v6.strides).
 """
@@ -199,3 +200,86 @@ def test_kernel_offsets_are_the_model_addresses(per_row):
                                       per_row)
             got = fr.ldmatrix_b_trans_offset(LANE, pair, ks, per_row)
             assert np.array_equal(got, want)
+
+
+def _image(tile):
+    """The swizzled SRAM image of a (rows, cols) tile of any values."""
+    rows, cols = tile.shape
+    per_row = cols // 8
+    sram = np.empty(rows * cols, tile.dtype)
+    for r in range(rows):
+        for c in range(per_row):
+            at = (r * per_row + fr.swizzle(r, c)) * 8
+            sram[at:at + 8] = tile[r, 8 * c:8 * c + 8]
+    return sram
+
+
+def _a_from_c(c_tiles, kp):
+    """backward_v5's re-pack: k-step kp's A fragment from C n-tiles."""
+    packed = np.empty((32, 4, 2))
+    for r in range(4):
+        n, e = fr.a_from_c(r)
+        packed[:, r] = c_tiles[2 * kp + n][:, e:e + 2]
+    return packed
+
+
+def test_backward_dkv_warp_in_the_model(rng):
+    # one warp of backward_v5's dK/dV kernel (d = d_v = 64, a 64-query
+    # tile) run on the model: K, V as A fragments by ldmatrix, S^T and
+    # dP^T from Q, dO read as B, P^T and dS^T formed on C fragments and
+    # re-packed as A fragments against Q, dO read transposed. The result
+    # must be the warp's 16 rows of dV = P^T dO and dK = tau dS^T Q.
+    d, warp, tau = 64, 2, 0.125
+    k, v, q, do = (rng.standard_normal((64, d)) for _ in range(4))
+    lse = rng.standard_normal(64) + 4
+    delta = rng.standard_normal(64)
+    images = {name: _image(x) for name, x in (("k", k), ("v", v),
+                                              ("q", q), ("do", do))}
+
+    def a_frags(name):
+        out = []
+        for ks in range(d // 16):
+            r, c = fr.ldmatrix_a(LANE, ks)
+            out.append(fr.ldmatrix(images[name], _address((r + 16 * warp,
+                                                           c), d)))
+        return out
+
+    def times_bt(frags, name):
+        acc = [np.zeros((32, 4)) for _ in range(8)]
+        for ks, a in enumerate(frags):
+            for ip in range(4):
+                bb = fr.ldmatrix(images[name], _address(
+                    fr.ldmatrix_b(LANE, ip, ks), d))
+                for y in range(2):
+                    n = 2 * ip + y
+                    acc[n] = fr.mma(a, bb[:, 2 * y:2 * y + 2], acc[n])
+        return acc
+
+    def c_times_b(c_tiles, name):
+        acc = [np.zeros((32, 4)) for _ in range(d // 8)]
+        for kp in range(4):
+            a = _a_from_c(c_tiles, kp)
+            for op in range(d // 16):
+                bb = fr.ldmatrix(images[name], _address(
+                    fr.ldmatrix_b_trans(LANE, kp, op), d), trans=True)
+                for y in range(2):
+                    n = 2 * op + y
+                    acc[n] = fr.mma(a, bb[:, 2 * y:2 * y + 2], acc[n])
+        return np.concatenate([fr.scatter(x, fr.c_places(), (16, 8))
+                               for x in acc], axis=1)
+
+    s_t = times_bt(a_frags("k"), "q")  # S^T n-tiles (16 keys, 8 queries)
+    dp_t = times_bt(a_frags("v"), "do")
+    places = fr.c_places()
+    p_t, ds_t = [], []
+    for n in range(8):
+        col = 8 * n + places[..., 1]  # each element's query
+        p = np.exp(tau * s_t[n] - lse[col])
+        p_t.append(p)
+        ds_t.append(p * (dp_t[n] - delta[col]))
+    rows = slice(16 * warp, 16 * warp + 16)
+    p_want = np.exp(tau * k[rows] @ q.T - lse)  # (16 keys, 64 queries)
+    ds_want = p_want * (v[rows] @ do.T - delta)
+    assert np.allclose(c_times_b(p_t, "do"), p_want @ do, atol=1e-10)
+    assert np.allclose(tau * c_times_b(ds_t, "q"), tau * ds_want @ q,
+                       atol=1e-10)

@@ -49,10 +49,17 @@ def test_tensor_core_kernels_use_mma_in_registers(report):
     # stay in registers: no local memory in the PTX (ptxas spills are
     # measured on the GPU, test_gpu_tensor_cores)
     tensor = {k: r for k, r in report.items()
-              if k.startswith(("forward_v5", "forward_v6"))}
-    assert len(tensor) == 4 * 2  # bf16, f16, 3xtf32, tf32 at d 64, 128
+              if k.startswith(("forward_v5", "forward_v6", "backward_v5"))}
+    # forward: bf16, f16, 3xtf32, tf32; backward: dq and dkv in bf16 and
+    # f16; each at d = 64 and 128
+    assert len(tensor) == (4 + 4) * 2
     for key, r in tensor.items():
         assert r["mma"] > 0 and r["local"] == 0, (key, r)
+    # every product of a backward tile on the tensor cores: dQ's three
+    # (S, dP, dS K) and dK/dV's four (S^T, dP^T, P^T dO, dS^T Q), unrolled
+    # over the k-steps and n-tiles of a 64 x 64 tile at d = 64
+    assert report["backward_v5_dq_bf16 64 64"]["mma"] == 3 * 32
+    assert report["backward_v5_dkv_bf16 64 64"]["mma"] == 4 * 32
     scalar = {k: r for k, r in report.items()
               if k.startswith("forward_v3")}
     assert all(r["mma"] == 0 for r in scalar.values())
