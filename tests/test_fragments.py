@@ -1,10 +1,10 @@
 """The fragment layouts and addresses the tensor-core kernels rely on.
 
-CI has no GPU and the simulator cannot run inline PTX, so what v5 and v6
-assume about mma.sync, ldmatrix and shared-memory banks (and the way the
-backward_v5 kernels chain them) is checked here
-on flashlab.fragments' numpy model, with the index functions the kernels
-themselves call (fragments.ldmatrix_a, ..., swizzle, forward_v6.strides).
+CI has no GPU and the simulator cannot run inline PTX, so what v5, v6
+and backward_v5 assume about mma.sync, ldmatrix and shared-memory banks,
+and how the backward chains them, is checked here on flashlab.fragments'
+numpy model, with the index functions the kernels themselves call
+(fragments.ldmatrix_a, ..., swizzle, forward_v6.strides).
 """
 
 import numpy as np

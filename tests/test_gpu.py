@@ -177,6 +177,22 @@ def test_combine_matches_merge(rng):
         gpu.combine(outs, lses[:, :1])
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the refusal is the simulator's")
+def test_simulator_refuses_inline_ptx_clearly():
+    # v5, v6 and the 16-bit backward are inline PTX: a clear error, not
+    # numba's failure from inside a simulated thread
+    x16 = np.zeros((2, 70, 64), np.float16)
+    with pytest.raises(RuntimeError, match="version: v5 runs mma.sync"):
+        gpu.attention(x16, x16, x16)
+    x32 = x16.astype(np.float32)
+    with pytest.raises(RuntimeError, match="version: v6 runs mma.sync"):
+        gpu.attention(x32, x32, x32, version=6)
+    lse = np.zeros((2, 70), np.float32)
+    with pytest.raises(RuntimeError, match="the 16-bit backward"):
+        gpu.attention_backward(x16, x16, x16, x16, lse, x16)
+    assert np.isfinite(gpu.attention(x32, x32, x32)).all()  # v3 runs
+
+
 def test_choose_splits_fills_the_gpu():
     # decoding: one query block per head, 16 heads, long keys -> splits
     # until 132 SMs x 4 blocks are busy, never under 4 tiles per split

@@ -94,6 +94,8 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     splits = tiled.check_splits(
         num_splits, supported=None if version in SPLIT_VERSIONS else 1)
     name = _forward_name(version, dtype, precision, d, d_v)
+    if version in TENSOR_CORE_VERSIONS:
+        _refuse_simulator(f"version: v{version}")
     br, bc, threads = FORWARDS[version].shape(d, d_v)
     _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
     call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
@@ -297,6 +299,7 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
         want = "float32" if name == "lse" else dtype
         if str(x.dtype).removeprefix("torch.") != want:
             raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+    _refuse_simulator("q: the 16-bit backward (backward_v5)")
     call = _Call(q, k, v, options)
     if not (call.torch or call.numpy):
         raise TypeError("q: the 16-bit backward takes torch tensors or "
@@ -330,6 +333,19 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     return (call.result(dq, (*call.heads, nq, d)),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _refuse_simulator(what):
+    """Inline PTX runs on a GPU only: say so before numba's simulator
+    fails inside a kernel."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError(
+            f"{what} runs mma.sync and ldmatrix as inline PTX, which "
+            f"numba's CUDA simulator cannot execute: run it on a GPU, or "
+            f"pass float32 inputs (chapter 9's kernels run here); chapter "
+            f"10 shows the stored GPU results")
 
 
 def _check_version(version, dtype, d, d_v):
