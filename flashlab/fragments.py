@@ -127,25 +127,24 @@ def swizzled_offset(row, chunk, per_row):
     return (row * per_row + (chunk ^ (row & 7))) * 16
 
 
-def ldmatrix_b_offset(lane, pair, ks, per_row):
-    """swizzled_offset of ldmatrix_b(lane, pair, ks), as the kernel
-    computes it in its inner loop.
+def swizzle_base(row, chunk, r, per_row):
+    """swizzled_offset(row, chunk + 2 r, per_row): base r (0..3) of the
+    four a lane keeps per tile, row and chunk its place in `ldmatrix_a`,
+    `ldmatrix_b` or `ldmatrix_b_trans` at step 0 (swizzled_offset,
+    written out so kernels compile it alone)."""
+    return (row * per_row + ((chunk + 2 * r) ^ (row & 7))) * 16
 
-    Every row this lane gives has row % 8 = lane % 8, so the swizzle is
-    one XOR per k-step and a pair of n-tiles a fixed stride of 16 rows:
-    the compiler keeps the lane's part out of the loop over tiles.
+
+def swizzle_step(rows, chunks, per_row):
+    """What to add to base (chunks % 8) // 2 to read `rows` (a multiple
+    of 8) rows and `chunks` (even) chunks further on.
+
+    The XOR of the swizzle touches only a chunk's low 3 bits and a row
+    moved by 8 keeps its low 3 bits, so the rest of the move is a plain
+    offset. In a kernel it is a constant, which the compiler folds into
+    ldmatrix's address; the four bases are all a lane holds.
     """
-    row = lane % 8 + 8 * (lane // 16)
-    chunk = (2 * ks + lane // 8 % 2) ^ (lane % 8)
-    return (row * per_row + chunk) * 16 + pair * (16 * per_row * 16)
-
-
-def ldmatrix_b_trans_offset(lane, kp, pair, per_row):
-    """swizzled_offset of ldmatrix_b_trans(lane, kp, pair), kernel form:
-    a k-step is a fixed stride of 16 rows, the swizzle one XOR."""
-    row = lane % 8 + 8 * (lane // 8 % 2)
-    chunk = (2 * pair + lane // 16) ^ (lane % 8)
-    return (row * per_row + chunk) * 16 + kp * (16 * per_row * 16)
+    return (rows * per_row + chunks - chunks % 8) * 16
 
 
 def a_from_c(r):

@@ -6,7 +6,9 @@
 
 `report` compiles every flashlab.gpu kernel to PTX for compute capability
 9.0 and counts float64 instructions, static shared memory, fast exps,
-tensor-core mmas and local memory.
+tensor-core mmas and local memory; `assemble` then runs ptxas (from the
+nvidia-cuda-nvcc wheel of requirements.txt) on that PTX for the registers
+per thread and the bytes ptxas spills, as a GPU's driver would.
 `literal_demo` compiles one small device computation twice, with a Python
 float literal and with float32 constants, to show where float64 creeps
 in. numba reads NUMBA_ENABLE_CUDASIM once per process and the simulator
@@ -17,8 +19,11 @@ which asks a fresh process. See chapter 9.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from numba import float32
 
@@ -55,9 +60,46 @@ def local_bytes(ptx):
         r"\.local \.align \d+ \.b8 \S+\[(\d+)\]", ptx))
 
 
+def ptxas():
+    """Path of ptxas: the nvidia-cuda-nvcc wheel's, else one on PATH, else
+    None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for found in sorted(Path(root).glob("cu*/bin/ptxas")):
+            return str(found)
+    return shutil.which("ptxas")
+
+
+def assemble(ptx, cc=(9, 0)):
+    """{"regs", "stack", "spill"}: registers per thread, stack frame and
+    spill-store bytes per thread of PTX text, assembled by `ptxas()` for
+    compute capability cc (the same assembler a driver runs)."""
+    tool = ptxas()
+    if tool is None:
+        raise RuntimeError("ptxas not found: pip install -r requirements.txt"
+                           " (nvidia-cuda-nvcc) or put CUDA's bin on PATH")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        done = subprocess.run(
+            [tool, f"-arch=sm_{cc[0]}{cc[1]}", "-v", str(source), "-o",
+             str(Path(tmp) / "kernel.cubin")],
+            capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{done.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", done.stderr)
+    stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores",
+                      done.stderr)
+    return {"regs": int(regs.group(1)), "stack": int(stack.group(1)),
+            "spill": int(stack.group(2))}
+
+
 def report(head_dims=HEAD_DIMS, only=()):
-    """{"kernel d dv": {"f64", "shared", "exp", "mma", "local"}} for every
-    GPU kernel (or those whose names start with one of `only`)."""
+    """{"kernel d dv": {"f64", "shared", "exp", "mma", "local", "regs",
+    "stack", "spill"}} for every GPU kernel (or those whose names start
+    with one of `only`); the last three from `assemble`."""
     from flashlab import gpu
 
     out = {}
@@ -72,7 +114,8 @@ def report(head_dims=HEAD_DIMS, only=()):
                                        "shared": shared_bytes(ptx),
                                        "exp": fast_exps(ptx),
                                        "mma": tensor_ops(ptx),
-                                       "local": local_bytes(ptx)}
+                                       "local": local_bytes(ptx),
+                                       **assemble(ptx)}
     out.update(literal_demo())
     return out
 

@@ -12,6 +12,7 @@ import pytest
 
 from flashlab import fragments as fr
 from flashlab.gpu import forward_v6
+from flashlab.gpu.warp import THREADS
 
 LANE = np.arange(32)
 
@@ -188,18 +189,46 @@ def test_3xtf32_product_error_is_float32_like(rng):
 
 @pytest.mark.parametrize("per_row", [8, 16])
 def test_kernel_offsets_are_the_model_addresses(per_row):
-    # v5's inner loops compute ldmatrix addresses in a hoisted form; it
-    # must equal the swizzled place of the (row, chunk) the model reads
-    for ks in range(per_row // 2):
-        for pair in range(4):
-            want = fr.swizzled_offset(*fr.ldmatrix_b(LANE, pair, ks),
-                                      per_row)
-            got = fr.ldmatrix_b_offset(LANE, pair, ks, per_row)
-            assert np.array_equal(got, want)
-            want = fr.swizzled_offset(*fr.ldmatrix_b_trans(LANE, pair, ks),
-                                      per_row)
-            got = fr.ldmatrix_b_trans_offset(LANE, pair, ks, per_row)
-            assert np.array_equal(got, want)
+    # the kernels address ldmatrix as one of four bases per lane plus a
+    # constant step; it must equal the swizzled place of the (row, chunk)
+    # the model reads, for every step a kernel takes
+    places = ((fr.ldmatrix_b, lambda pair, ks: (16 * pair, 2 * ks)),
+              (fr.ldmatrix_b_trans, lambda kp, pair: (16 * kp, 2 * pair)),
+              (lambda lane, w, ks: fr.ldmatrix_a(lane, ks) + np.array(
+                  [[16 * w], [0]]), lambda w, ks: (16 * w, 2 * ks)))
+    for place, step in places:
+        row, chunk = place(LANE, 0, 0)
+        for i in range(4):
+            for j in range(per_row // 2):
+                rows, chunks = step(i, j)
+                want = fr.swizzled_offset(*place(LANE, i, j), per_row)
+                got = fr.swizzle_base(row, chunk, chunks % 8 // 2,
+                                      per_row) + fr.swizzle_step(
+                                          rows, chunks, per_row)
+                assert np.array_equal(got, want)
+    # and a step of 4 rows would not be a plain offset: the test can fail
+    row, chunk = fr.ldmatrix_b(LANE, 0, 0)
+    moved = fr.swizzled_offset(row + 4, chunk, per_row)
+    assert not np.array_equal(moved, fr.swizzle_base(
+        row, chunk, 0, per_row) + fr.swizzle_step(4, 0, per_row))
+
+
+@pytest.mark.parametrize("per_row", [8, 16])
+def test_tile_copies_land_in_the_swizzled_places(per_row):
+    # warp.load_tile16: thread t copies chunk t % per_row of rows t //
+    # per_row + p step, to its first place plus p THREADS 16 bytes; every
+    # chunk of a 64-row tile must be copied once, to its swizzled place
+    step = THREADS // per_row
+    t = np.arange(THREADS)
+    r, c = t // per_row, t % per_row
+    first = fr.swizzled_offset(r, c, per_row)
+    seen = []
+    for p in range(64 // step):
+        assert np.array_equal(first + p * THREADS * 16,
+                              fr.swizzled_offset(r + p * step, c, per_row))
+        seen += list(zip(r + p * step, c))
+    assert sorted(seen) == [(i, j) for i in range(64)
+                            for j in range(per_row)]
 
 
 def _image(tile):

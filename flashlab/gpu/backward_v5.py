@@ -20,7 +20,7 @@ in float32 and are stored in float32; with grouped heads dK and dV are
 per query head, summed over each group by the host. See chapter 10.
 """
 
-from numba import cuda, float32, int16, int32, int64
+from numba import cuda, float32, int16, int32, int64, uint32
 
 from flashlab.gpu.device import (
     F0,
@@ -46,11 +46,13 @@ from flashlab.gpu.warp import (
     LOG2E,
     a_from_c,
     allowed_bits_of,
+    at_step,
     dropped_bits,
     dropped_bits_of,
+    lane_bases,
     ldmatrix_a,
-    ldmatrix_b_offset,
-    ldmatrix_b_trans_offset,
+    ldmatrix_b,
+    ldmatrix_b_trans,
     load_tile16,
     mask_scores,
     swizzled_offset,
@@ -60,6 +62,19 @@ from flashlab.gpu.warp import (
 BC = BR  # keys per block (dK, dV) and per K/V tile (dQ)
 ROWS = BR  # the same as a literal for shared arrays
 HEAD_DIMS = (64, 128)  # as forward v5
+
+
+def parts(kernel, d, d_v):
+    """How many column slices of its (16, 64) S tile a warp of `kernel`
+    ("dq" or "dkv") works through one after another, at head dims d, d_v.
+
+    The fragments a warp holds for the whole loop (Q and dO, or K and V,
+    and the float32 gradients: about 192 of a thread's 255 registers at
+    d = 128) leave too few for a whole S and dP tile: slices of 32 or 16
+    columns keep them in registers (python -m flashlab.ptx --resources).
+    """
+    wide = max(d, d_v) > 64
+    return {"dq": (1, 2), "dkv": (2, 4)}[kernel][wide]
 
 
 def _warp_products(kind):
@@ -78,13 +93,14 @@ def _warp_products(kind):
                 frag[ks, x] = a[x]
 
     @inline
-    def times_bt(acc, frag, at, lane, ksteps, tiles, per_row):
-        """acc (tiles, 4) += A B^T: A (16, 16 ksteps) in fragments, B the
-        8 tiles rows of an SRAM tile (one row per column of the result)."""
+    def times_bt(acc, frag, bases, ksteps, tiles, per_row):
+        """acc (tiles, 4) += A B^T: A (16, 16 ksteps) in fragments, B 8
+        tiles rows of an SRAM tile (one row per column of the result),
+        read from the lane's ldmatrix_b bases."""
         for ks in range(ksteps):
             for jp in range(tiles // 2):
-                bb = ldmatrix_x4(at + ldmatrix_b_offset(lane, jp, ks,
-                                                        per_row))
+                bb = ldmatrix_x4(at_step(bases, 16 * jp, 2 * ks,
+                                         per_row))
                 for y in range(2):
                     n = 2 * jp + y
                     d = mma(frag[ks, 0], frag[ks, 1], frag[ks, 2],
@@ -94,17 +110,18 @@ def _warp_products(kind):
                         acc[n, x] = d[x]
 
     @inline
-    def c_times_b(acc, c, af, at, lane, kpairs, tiles, per_row):
+    def c_times_b(acc, c, af, bases, kpairs, tiles, per_row):
         """acc (tiles, 4) += C B: C (16, 16 kpairs) held as C fragments c
         (re-packed to A fragments in af), B an SRAM tile read transposed
-        (16 kpairs rows, 8 tiles columns)."""
+        (16 kpairs rows, 8 tiles columns) from the lane's
+        ldmatrix_b_trans bases."""
         for kp in range(kpairs):
             for x in range(4):
                 n, e = a_from_c(x)
                 af[x] = pack(c[2 * kp + n, e], c[2 * kp + n, e + 1])
             for op in range(tiles // 2):
-                bb = ldmatrix_x4_trans(at + ldmatrix_b_trans_offset(
-                    lane, kp, op, per_row))
+                bb = ldmatrix_x4_trans(at_step(bases, 16 * kp, 2 * op,
+                                               per_row))
                 for y in range(2):
                     n = 2 * op + y
                     d = mma(af[0], af[1], af[2], af[3], bb[2 * y],
@@ -120,7 +137,8 @@ def make_dq(D, D_V, kind="bf16"):
     """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
     load_a, times_bt, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S and of dP
-    NS = BC // 8  # n-tiles of S, dP (8 keys each)
+    PARTS = parts("dq", D, D_V)  # slices of a K/V tile, one after another
+    NS = BC // 8 // PARTS  # n-tiles of a slice of S, dP (8 keys each)
     NQ = D // 8  # n-tiles of dQ
     CQ, CV = D // 8, D_V // 8  # 16-byte chunks per SRAM row
     K_S, V_S = BC * D, BC * D_V  # SRAM tiles (16-bit values)
@@ -136,10 +154,15 @@ def make_dq(D, D_V, kind="bf16"):
         pf = cuda.local.array((NS, 4), float32)  # dP
         af = cuda.local.array(4, int32)  # dS: one k-step's A fragment
         gf = cuda.local.array((NQ, 4), float32)  # dQ_i
+        kb = cuda.local.array(4, uint32)  # ldmatrix bases: K_j as B
+        kt = cuda.local.array(4, uint32)  # K_j as B, read transposed
+        vb = cuda.local.array(4, uint32)  # V_j as B
         lse2 = cuda.local.array(2, float32)  # rows g, g + 8, log2 units
         dl = cuda.local.array(2, float32)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
+        b_row, b_chunk = ldmatrix_b(lane, 0, 0)  # this lane's B places
+        t_row, t_chunk = ldmatrix_b_trans(lane, 0, 0)
         b = cuda.blockIdx.y
         bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * BR
@@ -178,30 +201,39 @@ def make_dq(D, D_V, kind="bf16"):
             cp_async_commit()
             cp_async_wait_all()
             cuda.syncthreads()
-            for n in range(NS):
-                for x in range(4):
-                    sf[n, x] = F0
-                    pf[n, x] = F0
-            # S = Q_i K_j^T and dP = dO_i V_j^T: (16, Bc) per warp, each
-            # a nest of its own, small enough to unroll into registers
-            times_bt(sf, qf, k_at, lane, KD, NS, CQ)
-            times_bt(pf, df, v_at, lane, KV, NS, CV)
-            # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
-            for n in range(NS):
-                for x in range(4):
-                    sf[n, x] *= scale2
-            if rules.use_mask or j0 + BC > nk or not tile_full(
-                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
-                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask, NS)
-            gone = dropped_bits(b, row, j0, rules, NS) if (
-                rules.use_dropout) else int64(0)
-            for n in range(NS):
-                for x in range(4):
-                    z = F0 if (gone >> (4 * n + x)) & 1 else rules.drop_scale
-                    p = ex2(sf[n, x] - lse2[x >> 1])
-                    sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
-            # dQ_i += dS K_j: dS's C fragments are its A fragments
-            c_times_b(gf, sf, af, k_at, lane, NS // 2, NQ, CQ)
+            full = not rules.use_mask and j0 + BC <= nk and tile_full(
+                i0, i1, j0, j0 + BC, rules, kv_len[b])
+            for part in range(PARTS):
+                c0 = 8 * NS * part  # the slice's first key in the tile
+                # ldmatrix bases of its rows of K_j and V_j
+                lane_bases(kb, k_at + c0 * 16 * CQ, b_row, b_chunk, CQ)
+                lane_bases(kt, k_at + c0 * 16 * CQ, t_row, t_chunk, CQ)
+                lane_bases(vb, v_at + c0 * 16 * CV, b_row, b_chunk, CV)
+                for n in range(NS):
+                    for x in range(4):
+                        sf[n, x] = F0
+                        pf[n, x] = F0
+                # S = Q_i K_j^T and dP = dO_i V_j^T: (16, 8 NS) per
+                # warp, each a nest small enough to unroll into registers
+                times_bt(sf, qf, kb, KD, NS, CQ)
+                times_bt(pf, df, vb, KV, NS, CV)
+                # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
+                for n in range(NS):
+                    for x in range(4):
+                        sf[n, x] *= scale2
+                if not full:
+                    mask_scores(sf, b, row, j0 + c0, nq, nk, rules, kv_len,
+                                mask, NS)
+                gone = dropped_bits(b, row, j0 + c0, rules, NS) if (
+                    rules.use_dropout) else int64(0)
+                for n in range(NS):
+                    for x in range(4):
+                        z = F0 if (gone >> (4 * n + x)) & 1 else \
+                            rules.drop_scale
+                        p = ex2(sf[n, x] - lse2[x >> 1])
+                        sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
+                # dQ_i += dS K_j: dS's C fragments are its A fragments
+                c_times_b(gf, sf, af, kt, NS // 2, NQ, CQ)
             cuda.syncthreads()  # no warp reads K_j, V_j any more
         for h in range(2):
             i = row + 8 * h
@@ -218,7 +250,8 @@ def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
     load_a, times_bt, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S^T and of dP^T
-    NS = BR // 8  # n-tiles of S^T, dP^T (8 queries each)
+    PARTS = parts("dkv", D, D_V)  # slices of a Q/dO tile, one after another
+    NS = BR // 8 // PARTS  # n-tiles of a slice of S^T, dP^T (8 queries)
     NK, NV = D // 8, D_V // 8  # n-tiles of dK, dV
     CQ, CV = D // 8, D_V // 8  # 16-byte chunks per SRAM row
     Q_S, O_S = BR * D, BR * D_V  # SRAM tiles (16-bit values)
@@ -238,8 +271,14 @@ def make_dkv(D, D_V, kind="bf16"):
         af = cuda.local.array(4, int32)  # one k-step's A fragment
         gk = cuda.local.array((NK, 4), float32)  # dK_j
         gv = cuda.local.array((NV, 4), float32)  # dV_j
+        qb = cuda.local.array(4, uint32)  # ldmatrix bases: Q_i as B
+        qt = cuda.local.array(4, uint32)  # Q_i as B, read transposed
+        ob = cuda.local.array(4, uint32)  # dO_i as B
+        ot = cuda.local.array(4, uint32)  # dO_i as B, read transposed
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
+        b_row, b_chunk = ldmatrix_b(lane, 0, 0)  # this lane's B places
+        t_row, t_chunk = ldmatrix_b_trans(lane, 0, 0)
         b = cuda.blockIdx.y
         bk = b // rules.group  # the K/V head of query head b
         j0 = cuda.blockIdx.x * BC
@@ -282,48 +321,61 @@ def make_dkv(D, D_V, kind="bf16"):
                 dl_s[t] = d_i
             cp_async_wait_all()
             cuda.syncthreads()
-            for n in range(NS):
-                for x in range(4):
-                    sf[n, x] = F0
-                    pf[n, x] = F0
-            # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, Br) per
-            # warp, each a nest of its own, small enough to unroll
-            times_bt(sf, kf, q_at, lane, KD, NS, CQ)
-            times_bt(pf, vf, o_at, lane, KV, NS, CV)
-            # element (n, x): key `key` + 8 (x >> 1), query column
-            # 8 n + tq + (x & 1) of the tile. Which pairs are allowed and
-            # dropped comes first, as bits: the loop that applies them
-            # then stays small enough to keep the fragments in registers
-            full = not rules.use_mask and j1 - j0 == BC and i1 - i0 == BR \
-                and tile_full(i0, i1, j0, j1, rules, kv_len[b])
-            ok = int64(-1) if full else allowed_bits_of(
-                b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
-            gone = dropped_bits_of(b, key, i0, rules, NS, True) if (
-                rules.use_dropout) else int64(0)
-            for n in range(NS):
-                for x in range(4):
-                    c = 8 * n + tq + (x & 1)
-                    bit = (4 * n + x)
-                    p = ex2(sf[n, x] * scale2 - lse_s[c]) if (
-                        ok >> bit) & 1 else F0
-                    z = F0 if (gone >> bit) & 1 else rules.drop_scale
-                    sf[n, x] = p * z
-                    pf[n, x] = p * (pf[n, x] * z - dl_s[c])
-            # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments are
-            # A fragments, dO_i and Q_i the B operands (read transposed)
-            c_times_b(gv, sf, af, o_at, lane, NS // 2, NV, CV)
-            c_times_b(gk, pf, af, q_at, lane, NS // 2, NK, CQ)
+            for part in range(PARTS):
+                c0 = 8 * NS * part  # the slice's first query in the tile
+                # ldmatrix bases of its rows of Q_i and dO_i
+                lane_bases(qb, q_at + c0 * 16 * CQ, b_row, b_chunk, CQ)
+                lane_bases(qt, q_at + c0 * 16 * CQ, t_row, t_chunk, CQ)
+                lane_bases(ob, o_at + c0 * 16 * CV, b_row, b_chunk, CV)
+                lane_bases(ot, o_at + c0 * 16 * CV, t_row, t_chunk, CV)
+                for n in range(NS):
+                    for x in range(4):
+                        sf[n, x] = F0
+                        pf[n, x] = F0
+                # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, 8 NS)
+                # per warp, each a nest small enough to unroll
+                times_bt(sf, kf, qb, KD, NS, CQ)
+                times_bt(pf, vf, ob, KV, NS, CV)
+                # element (n, x): key `key` + 8 (x >> 1), query column
+                # c0 + 8 n + tq + (x & 1) of the tile. Which pairs are
+                # allowed and dropped comes first, as bits: the loop that
+                # applies them then stays small enough to keep the
+                # fragments in registers
+                full = not rules.use_mask and j1 - j0 == BC and \
+                    i1 - i0 == BR and tile_full(i0, i1, j0, j1, rules,
+                                                kv_len[b])
+                ok = int64(-1) if full else allowed_bits_of(
+                    b, key, i0 + c0, nq, nk, rules, kv_len, mask, NS, True)
+                gone = dropped_bits_of(b, key, i0 + c0, rules, NS, True) \
+                    if rules.use_dropout else int64(0)
+                for n in range(NS):
+                    for x in range(4):
+                        c = c0 + 8 * n + tq + (x & 1)
+                        bit = (4 * n + x)
+                        p = ex2(sf[n, x] * scale2 - lse_s[c]) if (
+                            ok >> bit) & 1 else F0
+                        z = F0 if (gone >> bit) & 1 else rules.drop_scale
+                        sf[n, x] = p * z
+                        pf[n, x] = p * (pf[n, x] * z - dl_s[c])
+                # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments
+                # are A fragments, dO_i and Q_i the B operands (read
+                # transposed)
+                c_times_b(gv, sf, af, ot, NS // 2, NV, CV)
+                c_times_b(gk, pf, af, qt, NS // 2, NK, CQ)
             cuda.syncthreads()  # no warp reads Q_i, dO_i any more
         for h in range(2):
             j = key + 8 * h
             if j < nk:
+                # row views and unsigned columns: plain stores, with no
+                # index arithmetic left to hold registers at the end
+                dk_j, dv_j = dk[b, j], dv[b, j]
                 for n in range(NK):
-                    x = 8 * n + tq
-                    dk[b, j, x] = gk[n, 2 * h] * rules.scale
-                    dk[b, j, x + 1] = gk[n, 2 * h + 1] * rules.scale
+                    x = uint32(8 * n + tq)
+                    dk_j[x] = gk[n, 2 * h] * rules.scale
+                    dk_j[x + uint32(1)] = gk[n, 2 * h + 1] * rules.scale
                 for n in range(NV):
-                    x = 8 * n + tq
-                    dv[b, j, x] = gv[n, 2 * h]
-                    dv[b, j, x + 1] = gv[n, 2 * h + 1]
+                    x = uint32(8 * n + tq)
+                    dv_j[x] = gv[n, 2 * h]
+                    dv_j[x + uint32(1)] = gv[n, 2 * h + 1]
 
     return backward_v5_dkv

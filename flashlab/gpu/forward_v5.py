@@ -11,7 +11,7 @@ and O accumulate in float32; the output is rounded to the input's dtype.
 """
 
 
-from numba import cuda, float32, int16, int32
+from numba import cuda, float32, int16, int32, uint32
 
 from flashlab.gpu.device import F0, NAN, NEG_INF
 from flashlab.gpu.intrinsics import (
@@ -29,9 +29,11 @@ from flashlab.gpu.warp import (
     BR,
     THREADS,
     a_from_c,
+    at_step,
+    lane_bases,
     ldmatrix_a,
-    ldmatrix_b_offset,
-    ldmatrix_b_trans_offset,
+    ldmatrix_b,
+    ldmatrix_b_trans,
     load_tile16,
     rescale,
     row_end,
@@ -73,8 +75,12 @@ def make(D, D_V, kind="bf16"):
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
         seen = cuda.local.array(2, int32)  # met an allowed key yet
+        kb = cuda.local.array(4, uint32)  # ldmatrix bases: K_j as B
+        vb = cuda.local.array(4, uint32)  # V_j as B, read transposed
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
+        b_row, b_chunk = ldmatrix_b(lane, 0, 0)  # this lane's B places
+        t_row, t_chunk = ldmatrix_b_trans(lane, 0, 0)
         b = cuda.blockIdx.y
         bk = b // rules.group  # the K/V head of query head b
         i0 = cuda.blockIdx.x * BR
@@ -111,16 +117,17 @@ def make(D, D_V, kind="bf16"):
             load_tile16(v_at, v, bk, j0, BC, D_V, t)
             cp_async_commit()
             # S_ij = Q_i K_j^T: (16, Bc) per warp, KD x NS mmas
+            lane_bases(kb, k_at, b_row, b_chunk, CQ)
+            lane_bases(vb, v_at, t_row, t_chunk, CV)
             for n in range(NS):
                 for x in range(4):
                     sf[n, x] = F0
             for ks in range(KD):
                 for jp in range(NS // 2):
-                    kb = ldmatrix_x4(k_at + ldmatrix_b_offset(
-                        lane, jp, ks, CQ))
+                    kf = ldmatrix_x4(at_step(kb, 16 * jp, 2 * ks, CQ))
                     for y in range(2):
                         d = mma(qf[ks, 0], qf[ks, 1], qf[ks, 2], qf[ks, 3],
-                                kb[2 * y], kb[2 * y + 1],
+                                kf[2 * y], kf[2 * y + 1],
                                 sf[2 * jp + y, 0], sf[2 * jp + y, 1],
                                 sf[2 * jp + y, 2], sf[2 * jp + y, 3])
                         for x in range(4):
@@ -139,11 +146,10 @@ def make(D, D_V, kind="bf16"):
                     n, e = a_from_c(x)
                     pf[x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
                 for op in range(NO // 2):
-                    vb = ldmatrix_x4_trans(v_at + ldmatrix_b_trans_offset(
-                        lane, kp, op, CV))
+                    vf = ldmatrix_x4_trans(at_step(vb, 16 * kp, 2 * op, CV))
                     for y in range(2):
-                        d = mma(pf[0], pf[1], pf[2], pf[3], vb[2 * y],
-                                vb[2 * y + 1],
+                        d = mma(pf[0], pf[1], pf[2], pf[3], vf[2 * y],
+                                vf[2 * y + 1],
                                 of[2 * op + y, 0], of[2 * op + y, 1],
                                 of[2 * op + y, 2], of[2 * op + y, 3])
                         for x in range(4):

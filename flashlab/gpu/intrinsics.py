@@ -140,6 +140,23 @@ def ex2(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def opaque(typingctx, x):
+    """x (uint32) through a mov the compiler treats as a side effect.
+
+    A value made by it inside a loop stays inside: the compiler cannot
+    hoist it, nor what is computed from it, out of the loop. The kernels
+    pass their ldmatrix bases through it (see warp.lane_bases).
+    """
+    sig = types.uint32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return _asm(builder, "mov.b32 $0, $1;", "=r,r", _I32, [args[0]],
+                    side_effect=True)
+
+    return sig, codegen
+
+
 def _element_pointer(context, builder, arr_type, arr, index_type, index):
     """Generic 64-bit address of arr[index] (index an int or a tuple)."""
     ary = context.make_array(arr_type)(context, builder, value=arr)

@@ -27,6 +27,7 @@ from flashlab.gpu.intrinsics import (
     cp_async16,
     ex2,
     global_address,
+    opaque,
 )
 
 WARPS = 4  # warps per block, 16 query rows each
@@ -39,9 +40,10 @@ FULL_MASK = 0xFFFFFFFF  # every lane takes part in a shuffle
 swizzle = cuda.jit(device=True)(fragments.swizzle)
 swizzled_offset = cuda.jit(device=True)(fragments.swizzled_offset)
 ldmatrix_a = cuda.jit(device=True)(fragments.ldmatrix_a)
-ldmatrix_b_offset = cuda.jit(device=True)(fragments.ldmatrix_b_offset)
-ldmatrix_b_trans_offset = cuda.jit(device=True)(
-    fragments.ldmatrix_b_trans_offset)
+ldmatrix_b = cuda.jit(device=True)(fragments.ldmatrix_b)
+ldmatrix_b_trans = cuda.jit(device=True)(fragments.ldmatrix_b_trans)
+swizzle_base = cuda.jit(device=True)(fragments.swizzle_base)
+swizzle_step = cuda.jit(device=True)(fragments.swizzle_step)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
 row_step2 = cuda.jit(device=True)(merge.row_step2)
 _mark_bad_bits = cuda.jit(device=True)(nonfinite.mark_bad_bits)
@@ -67,24 +69,51 @@ def tile_range(i0, i1, nk, bc, rules, kv):
 
 
 @inline
+def lane_bases(bases, at, row, chunk, per_row):
+    """bases[r] = at + swizzle_base(row, chunk, r, per_row), r = 0..3: a
+    lane's ldmatrix bases in the SRAM tile at `at`.
+
+    Kernels make them afresh in each tile, through `opaque`: left alone
+    the compiler hoists every base + step sum out of the tile loop and
+    holds each in registers of its own (64 sums at d = 128), which made
+    the d = 128 backward spill to local memory.
+    """
+    row, chunk = opaque(uint32(row)), opaque(uint32(chunk))
+    for r in range(4):
+        bases[r] = uint32(at + swizzle_base(row, chunk, r, per_row))
+
+
+@inline
+def at_step(bases, rows, chunks, per_row):
+    """The ldmatrix address `rows` rows and `chunks` chunks on from the
+    bases' place (fragments.swizzle_step); both constants in a kernel."""
+    return bases[chunks % 8 // 2] + uint32(swizzle_step(rows, chunks,
+                                                        per_row))
+
+
+@inline
 def load_tile16(dst, src, b, r0, rows, cols, t):
     """HBM -> SRAM without registers: rows r0.. of src[b] into dst.
 
     src holds 16-bit values (int16 bits); dst is the shared_address of a
     tile of rows x cols in 16-byte chunks placed by `swizzle`. Rows past
     the end of src are zero-filled. Asynchronous: commit, wait and sync
-    after. Addresses are computed from two bases, not per element.
+    after. With cols // 8 chunks per row dividing THREADS, a thread copies
+    the same chunk of every (THREADS / chunks per row)-th row: a multiple
+    of 8 rows apart, so its swizzle is the same in every pass and its SRAM
+    address moves by a constant.
     """
     n = src.shape[1]
     per_row = cols // 8
-    at = global_address(src, (b, 0, 0))
-    for e in range(t, rows * per_row, THREADS):
-        r = e // per_row
-        c = e - r * per_row
-        inside = r0 + r < n
-        cp_async16(dst + uint32(swizzled_offset(r, c, per_row)),
-                   at + uint64((min(r0 + r, n - 1) * cols + c * 8) * 2),
-                   int32(16 if inside else 0))
+    step = THREADS // per_row  # rows one pass of the block copies
+    r, c = t // per_row, t % per_row  # this thread's first row, chunk
+    to = dst + uint32(swizzled_offset(r, c, per_row))
+    at = global_address(src, (b, 0, 0)) + uint64(c * 16)
+    for p in range(rows // step):
+        i = r0 + r + p * step
+        cp_async16(to + uint32(p * THREADS * 16),
+                   at + uint64(min(i, n - 1)) * uint64(cols * 2),
+                   int32(16 if i < n else 0))
 
 
 @inline
