@@ -513,18 +513,26 @@ class _Call:
         """A device array of False (small: one flag per column)."""
         from numba import cuda
 
-        if self.torch:
-            import torch
-
-            return cuda.as_cuda_array(torch.zeros(
-                shape, dtype=torch.bool, device=self.device), sync=False)
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
     def bad_columns(self, v_k, dtype):
         """(BH, d_v) bool on the device: column x of V[b] holds a NaN or
         an inf (flashlab.nonfinite)."""
+        from numba import cuda
+
         nk, d_v = v_k.shape[1:]
+        if self.torch:  # one reduction of torch's: a numba launch and a
+            # zeroed buffer cost more host time than a short kernel takes
+            import torch
+
+            values = torch.as_tensor(v_k, device=self.device)
+            if dtype in HALF_BITS:
+                values = values.view(getattr(torch, dtype))
+            bad = ~torch.isfinite(values).all(dim=1)
+            if self.group > 1:
+                bad = bad.repeat_interleave(self.group, 0)
+            return cuda.as_cuda_array(bad, sync=False)
         bad = self.zeros_bool((self.bh_kv, d_v))
         grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
         if not nk:
@@ -544,11 +552,6 @@ class _Call:
             return bad
         from numba import cuda
 
-        if self.torch:
-            import torch
-
-            return cuda.as_cuda_array(torch.as_tensor(
-                bad, device=self.device).repeat_interleave(self.group, 0))
         return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
 
     def group_sum(self, grad):
