@@ -287,7 +287,7 @@ def test_gpu_torch_tensors_in_place_and_autograd(rng):
         e_mine = float((mine.double() - truth).abs().max())
         e_torch = float((theirs.double() - truth).abs().max())
         floor = 8 * np.finfo(np.float32).eps * float(truth.abs().max())
-        assert e_mine <= max(2 * e_torch, floor)
+        assert e_mine <= max(2 * e_torch, floor), (e_mine, e_torch, floor)
 
 
 @pytest.mark.gpu

@@ -249,27 +249,17 @@ def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
     dropout weight multiplies P after l has counted it, as in `tiled`.
     """
     for h in range(2):
-        # maximum and sum in four independent chains, two n-tiles at a
-        # step (tiles is even): a quarter of the latency of one chain
-        x0 = x1 = x2 = x3 = NEG_INF
-        for n in range(0, tiles, 2):
-            x0 = max(x0, sf[n, 2 * h])
-            x1 = max(x1, sf[n, 2 * h + 1])
-            x2 = max(x2, sf[n + 1, 2 * h])
-            x3 = max(x3, sf[n + 1, 2 * h + 1])
-        mx = max(max(x0, x1), max(x2, x3))
+        mx = NEG_INF
+        for n in range(tiles):
+            mx = max(mx, max(sf[n, 2 * h], sf[n, 2 * h + 1]))
         m[h], shift, al[h] = row_step2(m[h], quad_max(mx), rules.lowest)
-        y0 = y1 = y2 = y3 = F0
-        for n in range(0, tiles, 2):
-            sf[n, 2 * h] = ex2(sf[n, 2 * h] - shift)
-            sf[n, 2 * h + 1] = ex2(sf[n, 2 * h + 1] - shift)
-            sf[n + 1, 2 * h] = ex2(sf[n + 1, 2 * h] - shift)
-            sf[n + 1, 2 * h + 1] = ex2(sf[n + 1, 2 * h + 1] - shift)
-            y0 += sf[n, 2 * h]
-            y1 += sf[n, 2 * h + 1]
-            y2 += sf[n + 1, 2 * h]
-            y3 += sf[n + 1, 2 * h + 1]
-        l[h] = al[h] * l[h] + ((y0 + y1) + (y2 + y3))
+        part = np.float32(0)
+        for n in range(tiles):
+            for e in range(2 * h, 2 * h + 2):
+                p = ex2(sf[n, e] - shift)
+                part += p
+                sf[n, e] = p
+        l[h] = al[h] * l[h] + part
     if rules.use_dropout:
         gone = dropped_bits(b, i, j0, rules, tiles)
         for n in range(tiles):
