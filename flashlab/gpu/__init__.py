@@ -107,7 +107,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     vk = call.to_kernel(v, (call.bh_kv, call.nk, d_v))
     if splits > 1 and call.bh and call.nq:
         _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits)
-        call.finish(o_k, lse_k, vk, v)
+        call.finish(o_k, lse_k, vk)
     elif call.bh and call.nq:
         arrays = [call.to_kernel(q, (call.bh, call.nq, d)),
                   call.to_kernel(k, (call.bh_kv, call.nk, d)), vk, o_k,
@@ -116,12 +116,12 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
             # flashlab.nonfinite themselves, given V's bad columns
             if dtype in HALF_BITS:
                 arrays[3] = o_k.view(np.int32)  # 16-bit pairs
-            arrays.append(call.bad_columns(vk, dtype, v))
+            arrays.append(call.bad_columns(vk, dtype))
         kernel(name, d, d_v)[
             (math.ceil(call.nq / br), call.bh), threads, call.stream](
             *arrays, *call.args)
         if version not in TENSOR_CORE_VERSIONS:
-            call.finish(o_k, lse_k, vk, v)
+            call.finish(o_k, lse_k, vk)
     o = call.result(o, (*call.heads, call.nq, d_v))
     return ((o, call.result(lse, (*call.heads, call.nq))) if return_lse
             else o)
@@ -513,22 +513,18 @@ class _Call:
         """A device array of False (small: one flag per column)."""
         from numba import cuda
 
+        if self.torch:
+            import torch
+
+            return cuda.as_cuda_array(torch.zeros(
+                shape, dtype=torch.bool, device=self.device), sync=False)
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
-    def bad_columns(self, v_k, dtype, v):
+    def bad_columns(self, v_k, dtype):
         """(BH, d_v) bool on the device: column x of V[b] holds a NaN or
-        an inf (flashlab.nonfinite). v is the caller's V, v_k its kernel
-        view."""
-        from numba import cuda
-
+        an inf (flashlab.nonfinite)."""
         nk, d_v = v_k.shape[1:]
-        if self.torch:  # one reduction of torch's: a numba launch and a
-            # zeroed buffer cost more host time than a short kernel takes
-            bad = ~v.detach().reshape(self.bh_kv, nk, d_v).isfinite().all(1)
-            if self.group > 1:
-                bad = bad.repeat_interleave(self.group, 0)
-            return cuda.as_cuda_array(bad, sync=False)
         bad = self.zeros_bool((self.bh_kv, d_v))
         grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
         if not nk:
@@ -548,6 +544,11 @@ class _Call:
             return bad
         from numba import cuda
 
+        if self.torch:
+            import torch
+
+            return cuda.as_cuda_array(torch.as_tensor(
+                bad, device=self.device).repeat_interleave(self.group, 0))
         return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
 
     def group_sum(self, grad):
@@ -563,12 +564,11 @@ class _Call:
         total = host.reshape(self.bh_kv, self.group, *host.shape[1:]).sum(1)
         return cuda.to_device(total)
 
-    def finish(self, o_k, lse_k, v_k, v):
-        """Apply flashlab.nonfinite's rule to the output of v1-v4 (v the
-        caller's V, v_k its kernel view)."""
+    def finish(self, o_k, lse_k, v_k):
+        """Apply flashlab.nonfinite's rule to the output of v1-v4."""
         from numba import cuda
 
-        bad = self.bad_columns(v_k, "float32", v)
+        bad = self.bad_columns(v_k, "float32")
         empty = self.plan.empty_rows(self.batch).reshape(self.bh, self.nq)
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty
