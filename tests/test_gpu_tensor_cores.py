@@ -213,8 +213,6 @@ def test_compiled_kernels_do_not_spill():
     from flashlab import ptx
 
     for key, r in ptx.resources(((64, 64), (128, 128))).items():
-        # backward_v5 at d = 128 spills (recorded in resources_h200.txt
-        # and chapter 10); at d = 64 it must not
-        if key.startswith(("forward_v5", "forward_v6")) or (
-                key.startswith("backward_v5") and key.endswith(" 64 64")):
+        # as compiled by this GPU's driver (CI checks ptxas's count)
+        if key.startswith(("forward_v5", "forward_v6", "backward_v5")):
             assert r["local"] == 0, (key, r)
