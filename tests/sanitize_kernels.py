@@ -3,6 +3,7 @@ compute-sanitizer on a GPU machine, e.g.
 
     compute-sanitizer --tool memcheck python tests/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/sanitize_kernels.py
+    compute-sanitizer --tool synccheck python tests/sanitize_kernels.py tensor
 
 It checks the results too, so a clean sanitizer run is also a right one.
 """
@@ -44,6 +45,25 @@ def backward16(rng):
                                        **opts)
         assert all(np.isfinite(g).all() for g in grads)
     print("the 16-bit backward ran")
+
+
+def tensor_cores(rng):
+    """The tensor-core kernels alone: backward16, then v5 and v6 forward
+    at both head dims, causal and not."""
+    backward16(rng)
+    for d in (64, 128):
+        q, k, v = (rng.standard_normal((2, 77, d)).astype(np.float32)
+                   for _ in range(3))
+        for causal in (False, True):
+            for name, dtype, kw, tol in forward_calls(d):
+                if kw["version"] not in gpu.TENSOR_CORE_VERSIONS:
+                    continue
+                x = [a.astype(dtype) for a in (q, k, v)]
+                want = reference.attention(*(a.astype(np.float64) for a in x),
+                                           causal=causal)
+                got = gpu.attention(*x, causal=causal, **kw)
+                assert np.max(np.abs(got - want)) < tol, (d, name)
+    print("tensor-core kernels ran")
 
 
 def main():
@@ -111,5 +131,7 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["backward16"]:
         backward16(np.random.default_rng(0))
+    elif sys.argv[1:] == ["tensor"]:
+        tensor_cores(np.random.default_rng(0))
     else:
         main()
