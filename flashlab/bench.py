@@ -177,9 +177,11 @@ def gpu_memory(n=131072, bh=16, d=64, dtype="float32", version=None):
                            version=version)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated()
+    # the call's own peak: q, k, v and what it allocated on top of them;
+    # tensors that earlier runs of the process left alive are not its
+    peak = 3 * q.nbytes + torch.cuda.max_memory_allocated() - base
     need = 3 * q.nbytes + o.nbytes + lse.nbytes
-    extra = peak - base - o.nbytes - lse.nbytes
+    extra = peak - need
     return dict(n=n, bh=bh, d=d, dtype=dtype, version=version,
                 peak_gib=peak / 2**30,
                 need_gib=need / 2**30, ratio=peak / need,
