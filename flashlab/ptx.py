@@ -28,6 +28,7 @@ from pathlib import Path
 from numba import float32
 
 HEAD_DIMS = ((16, 16), (64, 64), (128, 128))
+ASSEMBLED = ("regs", "stack", "spill")  # what `assemble` counts
 
 
 def float64_ops(ptx):
@@ -99,9 +100,11 @@ def assemble(ptx, cc=(9, 0)):
 def report(head_dims=HEAD_DIMS, only=()):
     """{"kernel d dv": {"f64", "shared", "exp", "mma", "local", "regs",
     "stack", "spill"}} for every GPU kernel (or those whose names start
-    with one of `only`); the last three from `assemble`."""
+    with one of `only`); the last three from `assemble`, None where no
+    ptxas is installed."""
     from flashlab import gpu
 
+    tool = ptxas()
     out = {}
     for name in gpu.kernel_names():
         if only and not name.startswith(tuple(only)):
@@ -115,7 +118,8 @@ def report(head_dims=HEAD_DIMS, only=()):
                                        "exp": fast_exps(ptx),
                                        "mma": tensor_ops(ptx),
                                        "local": local_bytes(ptx),
-                                       **assemble(ptx)}
+                                       **(assemble(ptx) if tool else
+                                          dict.fromkeys(ASSEMBLED))}
     out.update(literal_demo())
     return out
 

@@ -73,6 +73,7 @@ def test_hot_kernels_do_not_spill(report):
     # ptxas, the driver's assembler, run on the same PTX: the tensor-core
     # kernels and chapter 9's register-capped ones (v3, v4, the blocked
     # backward) keep everything in registers, no stack, no spill
+    assert ptx.ptxas() is not None, "requirements.txt installs ptxas"
     hot = ("forward_v3", "forward_v4", "forward_v5", "forward_v6",
            "backward_v5", "backward_q_blocked", "backward_kv_blocked")
     spilled = {k: (r["regs"], r["stack"], r["spill"])
