@@ -78,7 +78,7 @@ def parts(kernel, d, d_v):
 
 
 def _warp_products(kind):
-    """(load_a, times_bt, c_times_b): the warp-level products both
+    """(load_a, s_and_dp, c_times_b): the warp-level products both
     kernels are made of, for 16-bit `kind` (bf16, f16)."""
     mma, pack = {"bf16": (mma_bf16, pack_bf16x2),
                  "f16": (mma_f16, pack_f16x2)}[kind]
@@ -130,12 +130,25 @@ def _warp_products(kind):
                     for x in range(4):
                         acc[n, x] = d[x]
 
-    return load_a, times_bt, c_times_b
+    @inline
+    def s_and_dp(sf, pf, fa, fb, ba, bb, ka, kb, tiles, ca, cb):
+        """sf = A B^T and pf = A' B'^T from zero: a slice's S and dP (or
+        S^T and dP^T), A, A' held as fragments fa, fb (ka, kb k-steps), B,
+        B' read at the lane's ldmatrix_b bases ba, bb (ca, cb chunks per
+        row), each product a nest small enough to unroll."""
+        for n in range(tiles):
+            for x in range(4):
+                sf[n, x] = F0
+                pf[n, x] = F0
+        times_bt(sf, fa, ba, ka, tiles, ca)
+        times_bt(pf, fb, bb, kb, tiles, cb)
+
+    return load_a, s_and_dp, c_times_b
 
 
 def make_dq(D, D_V, kind="bf16"):
     """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
-    load_a, times_bt, c_times_b = _warp_products(kind)
+    load_a, s_and_dp, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S and of dP
     PARTS = parts("dq", D, D_V)  # slices of a K/V tile, one after another
     NS = BC // 8 // PARTS  # n-tiles of a slice of S, dP (8 keys each)
@@ -209,14 +222,8 @@ def make_dq(D, D_V, kind="bf16"):
                 lane_bases(kb, k_at + c0 * 16 * CQ, b_row, b_chunk, CQ)
                 lane_bases(kt, k_at + c0 * 16 * CQ, t_row, t_chunk, CQ)
                 lane_bases(vb, v_at + c0 * 16 * CV, b_row, b_chunk, CV)
-                for n in range(NS):
-                    for x in range(4):
-                        sf[n, x] = F0
-                        pf[n, x] = F0
-                # S = Q_i K_j^T and dP = dO_i V_j^T: (16, 8 NS) per
-                # warp, each a nest small enough to unroll into registers
-                times_bt(sf, qf, kb, KD, NS, CQ)
-                times_bt(pf, df, vb, KV, NS, CV)
+                # S = Q_i K_j^T and dP = dO_i V_j^T: (16, 8 NS) per warp
+                s_and_dp(sf, pf, qf, df, kb, vb, KD, KV, NS, CQ, CV)
                 # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
                 for n in range(NS):
                     for x in range(4):
@@ -248,7 +255,7 @@ def make_dq(D, D_V, kind="bf16"):
 
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
-    load_a, times_bt, c_times_b = _warp_products(kind)
+    load_a, s_and_dp, c_times_b = _warp_products(kind)
     KD, KV = D // 16, D_V // 16  # k-steps of S^T and of dP^T
     PARTS = parts("dkv", D, D_V)  # slices of a Q/dO tile, one after another
     NS = BR // 8 // PARTS  # n-tiles of a slice of S^T, dP^T (8 queries)
@@ -328,14 +335,8 @@ def make_dkv(D, D_V, kind="bf16"):
                 lane_bases(qt, q_at + c0 * 16 * CQ, t_row, t_chunk, CQ)
                 lane_bases(ob, o_at + c0 * 16 * CV, b_row, b_chunk, CV)
                 lane_bases(ot, o_at + c0 * 16 * CV, t_row, t_chunk, CV)
-                for n in range(NS):
-                    for x in range(4):
-                        sf[n, x] = F0
-                        pf[n, x] = F0
                 # S^T = K_j Q_i^T and dP^T = V_j dO_i^T: (16 keys, 8 NS)
-                # per warp, each a nest small enough to unroll
-                times_bt(sf, kf, qb, KD, NS, CQ)
-                times_bt(pf, vf, ob, KV, NS, CV)
+                s_and_dp(sf, pf, kf, vf, qb, ob, KD, KV, NS, CQ, CV)
                 # element (n, x): key `key` + 8 (x >> 1), query column
                 # c0 + 8 n + tq + (x & 1) of the tile. Which pairs are
                 # allowed and dropped comes first, as bits: the loop that
