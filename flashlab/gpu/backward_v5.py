@@ -14,6 +14,9 @@ Two kernels, as the float32 backward, deterministic and without atomics:
   and its columns queries, and accumulates dV_j += P^T dO_i and dK_j +=
   dS^T Q_i.
 
+Each warp works through its (16, 64) tile of S and dP in column slices
+(`parts`), small enough that nothing spills at d = 128.
+
 Masks, padding and dropout follow `tiled`: a pair's rules are checked
 per element wherever a tile is not wholly allowed. Gradients accumulate
 in float32 and are stored in float32; with grouped heads dK and dV are
@@ -71,7 +74,8 @@ def parts(kernel, d, d_v):
     The fragments a warp holds for the whole loop (Q and dO, or K and V,
     and the float32 gradients: about 192 of a thread's 255 registers at
     d = 128) leave too few for a whole S and dP tile: slices of 32 or 16
-    columns keep them in registers (python -m flashlab.ptx --resources).
+    columns keep them in registers (python -m flashlab.ptx reports what
+    ptxas makes of each; tests/test_gpu_ptx.py requires no spill).
     """
     wide = max(d, d_v) > 64
     return {"dq": (1, 2), "dkv": (2, 4)}[kernel][wide]
