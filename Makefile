@@ -25,6 +25,10 @@ $(MATHJAX):
 	mkdir -p _mathjax
 	cp -r .mathjax/node_modules/mathjax/es5 _mathjax/mathjax
 
+# The book shows the chapters' committed outputs and executes nothing
+# (_config.yml): `make notebooks` re-runs each chapter and compares it with
+# them, `make execute` stores new ones. check_book.py refuses a chapter
+# with a cell never run or an error stored.
 book: $(STAMP) $(MATHJAX)
 	rm -rf _build
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
