@@ -14,14 +14,17 @@ import numpy as np
 
 
 def group_size(q_shape, k_shape, v_shape):
-    """g = H_q / H_kv; 1 when the leading dims of k and v broadcast to
-    q's (equal ones, or multi-query attention's single K/V head)."""
-    if all(_broadcasts(s[:-2], q_shape[:-2]) for s in (k_shape, v_shape)):
+    """g = H_q / H_kv; 1 when the leading dims of q, k and v broadcast
+    together, aligned from the right as numpy and torch's SDPA align them
+    (equal ones, fewer dims, or multi-query attention's single K/V head).
+    """
+    if _broadcasts(q_shape[:-2], k_shape[:-2], v_shape[:-2]):
         return 1
     for name, shape in (("k", k_shape), ("v", v_shape)):
         if shape[:-2] != k_shape[:-2] or len(shape) < 3 or len(
                 shape) != len(q_shape) or (
                 shape[:-3] != q_shape[:-3]) or len(q_shape) < 3 or (
+                shape[-3] == 0 or q_shape[-3] == 0) or (
                 q_shape[-3] % shape[-3]):
             raise ValueError(
                 f"{name}: expected leading dims {tuple(q_shape[:-2])} to "
@@ -41,7 +44,19 @@ def split(x, g, kv=False):
 
 def join(x):
     """(..., H_kv, g, N, d) back to (..., H_kv g, N, d)."""
-    return x.reshape(*x.shape[:-4], -1, *x.shape[-2:])
+    # the heads' count spelled out: -1 is ambiguous for an empty batch
+    return x.reshape(*x.shape[:-4], x.shape[-4] * x.shape[-3],
+                     *x.shape[-2:])
+
+
+def broadcast(*xs):
+    """Arrays (..., N, d) viewed with their leading dims broadcast
+    together, aligned from the right (SDPA's rule); no copy."""
+    lead = np.broadcast_shapes(*(np.shape(x)[:-2] for x in xs))
+    # an array already that shape stays itself: broadcast_to would give
+    # its length-1 axes stride 0, which BLAS refuses as a leading dim
+    return [x if np.shape(x)[:-2] == lead else np.broadcast_to(
+        x, (*lead, *np.shape(x)[-2:])) for x in xs]
 
 
 def split_batch(a, batch_shape, g, trailing):
@@ -62,16 +77,20 @@ def split_batch(a, batch_shape, g, trailing):
 
 
 def sum_to(x, shape):
-    """x summed over the axes where `shape` has 1 and x more: the
-    gradient of a broadcast (dK, dV summed over a group's heads)."""
+    """x summed over the axes where `shape` has 1 and x more, and over
+    the leading axes `shape` lacks: the gradient of a broadcast (dK, dV
+    summed over a group's heads, or back to a caller's fewer dims)."""
+    if x.ndim > len(shape):
+        x = x.sum(axis=tuple(range(x.ndim - len(shape))))
     axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, shape))
                  if b == 1 and a != 1)
     return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-def _broadcasts(shape, target):
-    """shape broadcasts to target without changing it."""
+def _broadcasts(*shapes):
+    """The shapes broadcast together."""
     try:
-        return np.broadcast_shapes(shape, target) == tuple(target)
+        np.broadcast_shapes(*shapes)
     except ValueError:
         return False
+    return True

@@ -58,6 +58,8 @@ def flatten(q, k, v, options):
     shapes = [tuple(x.shape) for x in (q, k, v)]
     q, k, v, plan = tiled.plan(q, k, v, **options)
     group = kernel_group(*shapes)
+    if group > 1 and plan.group == 1:  # one K/V head, broadcast by plan
+        k, v = (x[..., :1, :, :] for x in (k, v))
     batch = q.shape[:-2]
     bh = int(np.prod(batch))
     masks = plan.rules

@@ -119,12 +119,29 @@ def combine(outs, lses):
     return total.output(), total.lse()
 
 
-def probabilities(scores, lse):
+def probabilities(scores, lse, l=None):
     """P = exp(S - lse) (..., R, C) recomputed from the saved row lse (..., R).
 
     Rows that saw no key (lse = -inf) have only -inf scores and give 0.
+    With l (..., R), lse is a row's max m instead and P = exp(S - m) / l:
+    the form for rows where `lse_loses_l` holds.
     """
-    return np.exp(scores - _finite(lse)[..., None])
+    p = np.exp(scores - _finite(lse)[..., None])
+    return p if l is None else p / l[..., None]
+
+
+# Above this |lse|, lse = m + log l keeps too few of log l's digits for
+# exp(S - lse) to be P: its rounding, up to |lse| eps / 2, becomes P's
+# relative error (at |lse| = 64 that is 32 eps, as summing 64 terms).
+LSE_EXACT = 64.0
+
+
+def lse_loses_l(lse):
+    """Boolean (...,): rows whose finite lse is too large for exp(S - lse)
+    to recompute P (a fully masked row of finfo.min scores has lse == m,
+    so every P would be 1); their m and l must be recomputed instead."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(lse) & (np.abs(lse) >= LSE_EXACT)
 
 
 def rescale(m_old, m_new):

@@ -41,6 +41,7 @@ def scores(q, k, *, scale=None, causal=False, mask=None, window=None,
             causal=causal, window=window, align=align,
             mask=heads.split_batch(mask, q.shape[:-2], g, 2),
             kv_lengths=heads.split_batch(kv_lengths, q.shape[:-2], g, 0)))
+    q, k = heads.broadcast(q, k)  # leading dims aligned from the right
     nq, nk = q.shape[-2], k.shape[-2]
     scale = check_scale(scale, q.shape[-1])
     rules = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
@@ -76,6 +77,7 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
                                            2), return_lse=True)
         o, lse = heads.join(o), heads.join(lse[..., None])[..., 0]
         return (o, lse) if return_lse else o
+    q, k, v = heads.broadcast(q, k, v)  # leading dims aligned from the right
     s = scores(q, k, scale=scale, causal=causal, mask=mask, window=window,
                kv_lengths=kv_lengths, align=align)
     keep = _dropout_keep(dropout_p, seed, dropout_mask, s.shape)

@@ -99,7 +99,8 @@ def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
 
     Block sizes larger than the sequence are clamped to it. With fewer
     K/V heads than Q heads the arrays come back grouped (`heads.split`),
-    and so do the mask and key lengths.
+    and so do the mask and key lengths; otherwise their leading dims come
+    back broadcast together (`heads.broadcast`, as SDPA aligns them).
     """
     q, k, v = check_qkv(q, k, v)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -109,6 +110,8 @@ def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
         kv_lengths = heads.split_batch(kv_lengths, q.shape[:-2], g, 0)
         q = heads.split(q, g)
         k, v = heads.split(k, g, kv=True), heads.split(v, g, kv=True)
+    else:
+        q, k, v = heads.broadcast(q, k, v)
     batch = q.shape[:-2]
     return q, k, v, Plan(
         nq=nq,
@@ -295,6 +298,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     only names the forward it follows.
     """
     check_order(order)
+    shapes = [np.shape(x) for x in (q, k, v)]  # the gradients' shapes
     q, k, v, plan_ = plan(q, k, v, block_q=block_q, block_k=block_k,
                           scale=scale, causal=causal, mask=mask,
                           window=window, kv_lengths=kv_lengths,
@@ -311,7 +315,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     backward(q, k, v, o, lse, do, dq, dk, dv, plan_)
     if plan_.group > 1:  # back to the callers' heads
         return heads.join(dq), dk[..., 0, :, :], dv[..., 0, :, :]
-    return dq, dk, dv
+    # a broadcast input's gradient sums over the dims it was stretched on
+    return tuple(heads.sum_to(x, s) for x, s in zip((dq, dk, dv), shapes))
 
 
 def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
@@ -320,6 +325,7 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
     dK_j, dV_j accumulate on chip; dQ_i accumulates in slow memory.
     """
     delta = (do * o).sum(axis=-1)  # D_i = rowsum(dO * O) (..., Nq)
+    m, l = row_statistics(q, k, lse, plan)  # P = exp(S - m) / l
     for cols in blocks(plan.nk, plan.block_k):
         k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, d_v)
         dk_j = np.zeros_like(k_j)
@@ -330,7 +336,7 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
             r = slice(rows.start, rows.stop)
             q_i = load_q(q, rows, plan)  # tau Q_i (..., Br, d)
             s_ij = score_tile(q_i, k_j, rows, cols, plan)  # recomputed
-            p_ij = merge.probabilities(s_ij, lse[..., r])  # (..., Br, Bc)
+            p_ij = merge.probabilities(s_ij, m[..., r], l[..., r])
             dp_ij = do[..., r, :] @ np.swapaxes(v_j, -1, -2)  # (..., Br, Bc)
             pz_ij = p_ij
             if plan.dropout is not None:  # same decisions as the forward
@@ -346,6 +352,35 @@ def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
                                  dk_j.shape)  # tau already in q_i
         dk[..., cols.start:cols.stop, :] = dk_j
         dv[..., cols.start:cols.stop, :] = dv_j
+
+
+def row_statistics(q, k, lse, plan):
+    """(m, l) (..., Nq) with P = exp(S - m) / l: (lse, 1) where lse holds
+    P exactly, the rows' own max and sum where it does not
+    (`merge.lse_loses_l`: huge equal scores, finfo.min masks), found by
+    one more pass over those rows' score tiles, without V."""
+    m, l = lse, np.ones_like(lse)
+    lossy = merge.lse_loses_l(lse)
+    if not lossy.any():  # the usual case: the saved lse is enough
+        return m, l
+    m = lse.copy()
+    no_values = np.zeros((plan.block_k, 0), dtype=q.dtype)  # (Bc, 0)
+    for rows in blocks(plan.nq, plan.block_q):
+        r = slice(rows.start, rows.stop)
+        if not lossy[..., r].any():
+            continue
+        q_i = load_q(q, rows, plan)
+        state = merge.empty((*q_i.shape[:-2], len(rows)), 0, q.dtype)
+        for cols in blocks(plan.nk, plan.block_k):
+            if plan.rules.skips(rows, cols):
+                continue
+            k_j, _ = load_kv(k, None, cols)
+            s_ij = score_tile(q_i, k_j, rows, cols, plan)
+            state = merge.merge(state, merge.summarize(
+                s_ij, no_values[:len(cols)]))
+        m[..., r] = np.where(lossy[..., r], state.m, m[..., r])
+        l[..., r] = np.where(lossy[..., r], state.l, l[..., r])
+    return m, l
 
 
 def check_saved(q, v, o, lse, do):

@@ -182,15 +182,18 @@ def _broadcast(q, k, v, enable_gqa):
 
     Heads (dim -3) may differ under enable_gqa: k and v keep theirs
     (every backend reads K/V head h // g for query head h, no copy).
-    Otherwise a leading dim of 1 stretches to the others' size; on the
-    GPU the kernels take k and v with q's leading dims, which expand()
-    only views (to_kernel copies).
+    Otherwise the leading dims broadcast as SDPA's do, aligned from the
+    right (k and v may have fewer), and every backend takes k and v with
+    q's leading dims: expand() only views them (the GPU's to_kernel
+    copies), and autograd sums their gradients back to the caller's
+    shapes.
     """
     grouped = (enable_gqa and q.dim() >= 3 and k.dim() >= 3
                and k.shape[-3] != q.shape[-3])
     if grouped:
         for name, x in (("key", k), ("value", v)):
-            if x.dim() < 3 or q.shape[-3] % x.shape[-3] or (
+            if x.dim() < 3 or x.shape[-3] == 0 or (
+                    q.shape[-3] % x.shape[-3]) or (
                     x.shape[-3] != k.shape[-3]):
                 raise ValueError(
                     f"{name}: expected a number of heads (dim -3) dividing"
@@ -208,9 +211,7 @@ def _broadcast(q, k, v, enable_gqa):
             f"{tuple(q.shape[:-2])} (or fewer heads with enable_gqa=True),"
             f" got {tuple(k.shape[:-2])} (key) and {tuple(v.shape[:-2])} "
             f"(value)") from None
-    q = q.expand(*lead, *q.shape[-2:])
-    if q.is_cuda:  # the kernels index k and v by q's batch element
-        k, v = (x.expand(*lead, *x.shape[-2:]) for x in (k, v))
+    q, k, v = (x.expand(*lead, *x.shape[-2:]) for x in (q, k, v))
     return q, k, v
 
 
