@@ -6,8 +6,10 @@ batch element run in parallel threads; nothing is shared between
 threads, so results do not depend on the thread count. Every tile
 product is one call of numpy's OpenBLAS (`flashlab.blas`), on one thread
 inside numba's; the softmax between them runs in vectorized loops
-(`flashlab.vector`: exp2 with log2(e) folded into the scale, a NaN-aware
-max). The per-row algebra is `merge.row_step2`, the mask rules
+(`flashlab.vector`: exp2, a NaN-aware max). Scores stay in natural
+units and log2(e) multiplies S - m inside the exponent, never the scale:
+tau log2(e) S would overflow float32 for finite scores above 2.36e38.
+The per-row algebra is `merge.row_step`, the mask rules
 `masks.pair_allowed`, the dropout hash `dropout.keep_bits`, compiled here
 as they are. See chapter 9.
 """
@@ -30,7 +32,7 @@ from flashlab import (
 )
 from flashlab._validate import check_flag
 
-_row_step2 = njit(merge.row_step2)
+_row_step = njit(merge.row_step)
 _pair_allowed = njit(masks.pair_allowed)
 _tile_skipped = njit(masks.tile_skipped)
 _tile_full = njit(masks.tile_full)
@@ -46,7 +48,6 @@ ORDERS = ("fa2",)  # the loop order these kernels run
 # in cache; block_q and block_k override them.
 BLOCK_Q, BLOCK_K = 256, 512
 _LOG2E = math.log2(math.e)
-_LN2 = math.log(2.0)
 
 
 def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
@@ -67,7 +68,8 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     lse = np.empty((bh, plan.nq), dtype=q3.dtype)
     with blas.one_thread():  # numba's threads call it, one each
         _forward(*(np.ascontiguousarray(x) for x in (q3, k3, v3)), o, lse,
-                 plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask)
+                 plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask,
+                 q3.dtype.type(_LOG2E))
     g = a.rules.group  # rows of query heads b: K/V head b // g
     nonfinite.finish(o.reshape(-1, g, plan.nq, d_v), lse.reshape(
         -1, g, plan.nq), v3.reshape(-1, 1, plan.nk, d_v),
@@ -93,23 +95,23 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     bh, d_v = q3.shape[0], v3.shape[-1]
     do3 = np.ascontiguousarray(do.reshape(bh, plan.nq, d_v))
     lse3 = np.ascontiguousarray(lse.reshape(bh, plan.nq))
+    log2e = q3.dtype.type(_LOG2E)  # of the kernels' dtype
     delta = (do3 * o.reshape(bh, plan.nq, d_v)).sum(axis=-1)  # D_i (BH, Nq)
     # dK, dV per query head; a K/V head's is the sum over its group
     dq = np.empty_like(q3)
     dk, dv = (np.empty((bh, *x.shape[1:]), x.dtype) for x in (k3, v3))
     q3, k3, v3 = (np.ascontiguousarray(x) for x in (q3, k3, v3))
-    lse2 = lse3 * q3.dtype.type(_LOG2E)  # log2 units, as the scores
     with blas.one_thread():
         if bh >= numba.get_num_threads():  # a head per thread: one pass
-            _backward_heads(q3, k3, v3, do3, lse2, delta, dq, dk, dv,
+            _backward_heads(q3, k3, v3, do3, lse3, delta, dq, dk, dv,
                             plan.block_q, plan.block_k, a.rules, a.kv_len,
-                            a.mask)
+                            a.mask, log2e)
         else:  # too few heads to share out: key blocks, then query blocks
-            _backward_kv(q3, k3, v3, do3, lse2, delta, dk, dv,
+            _backward_kv(q3, k3, v3, do3, lse3, delta, dk, dv,
                          plan.block_q, plan.block_k, a.rules, a.kv_len,
-                         a.mask)
-            _backward_q(q3, k3, v3, do3, lse2, delta, dq, plan.block_q,
-                        plan.block_k, a.rules, a.kv_len, a.mask)
+                         a.mask, log2e)
+            _backward_q(q3, k3, v3, do3, lse3, delta, dq, plan.block_q,
+                        plan.block_k, a.rules, a.kv_len, a.mask, log2e)
     g = a.rules.group
     dk, dv = (x.reshape(-1, g, *x.shape[1:]).sum(axis=1) if g > 1 else x
               for x in (dk, dv))
@@ -184,8 +186,8 @@ def _dropout_weight(r, b, i, j):
 
 
 @njit(fastmath=_FAST)
-def _softmax_rows(s, m, l, acc, br, bc, lowest):
-    """Rows of S_ij (log2 units) -> P_ij in place; m, l, acc updated.
+def _softmax_rows(s, m, l, acc, br, bc, lowest, log2e):
+    """Rows of S_ij -> P_ij in place; m, l, acc updated.
 
     vector.maximum and vector.exp2 keep both loops over a row vectorized.
     """
@@ -194,10 +196,10 @@ def _softmax_rows(s, m, l, acc, br, bc, lowest):
         tile_max = row[0]
         for c in range(1, bc):
             tile_max = vector.maximum(tile_max, row[c])
-        m[a], shift, alpha = _row_step2(m[a], tile_max, lowest)
+        m[a], shift, alpha = _row_step(m[a], tile_max, lowest)
         row_sum = alpha * 0  # a zero of the array dtype
         for c in range(bc):
-            p = vector.exp2(row[c] - shift)
+            p = vector.exp2((row[c] - shift) * log2e)  # S - m <= 0
             row_sum += p
             row[c] = p
         l[a] = alpha * l[a] + row_sum
@@ -207,11 +209,10 @@ def _softmax_rows(s, m, l, acc, br, bc, lowest):
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
+def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nq + block_q - 1) // block_q
-    scale2 = r.scale * _LOG2E  # scores in log2 units: exp2, not exp
     for t in prange(bh * n_blocks):
         b = t // n_blocks
         bk = b // r.group  # the K/V head of query head b
@@ -226,13 +227,13 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            # S_ij = tau log2(e) Q_i K_j^T: one BLAS call, (br, bc)
-            blas.gemm(False, True, br, bc, d, scale2, q_i,
+            # S_ij = tau Q_i K_j^T: one BLAS call, (br, bc)
+            blas.gemm(False, True, br, bc, d, r.scale, q_i,
                       k[bk, j0:j0 + bc], 0, s)
             if r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, r,
                                             kv_len[b]):
                 _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
-            _softmax_rows(s, m, l, acc, br, bc, r.lowest)
+            _softmax_rows(s, m, l, acc, br, bc, r.lowest, log2e)
             if r.use_dropout:  # dropped pairs leave the numerator only
                 for a in range(br):
                     for c in range(bc):
@@ -244,7 +245,7 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
             if l[a] != 0:  # NaN is not "no key": it stays NaN
                 for x in range(d_v):
                     o[b, i0 + a, x] = acc[a, x] / l[a]
-                lse[b, i0 + a] = (m[a] + math.log2(l[a])) * _LN2
+                lse[b, i0 + a] = m[a] + math.log(l[a])
             else:  # no allowed key: output 0, lse -inf
                 for x in range(d_v):
                     o[b, i0 + a, x] = 0
@@ -252,12 +253,12 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask):
 
 
 @njit(fastmath=_FAST)
-def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse2_b, delta_b, b, i0, br,
-             j0, bc, r, kv_len, mask):
+def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse_b, delta_b, b, i0, br,
+             j0, bc, r, kv_len, mask, log2e):
     """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s."""
     d, d_v = q_b.shape[1], v_b.shape[1]
-    # S_ij (log2 units) and dP_ij = dO_i V_j^T: two BLAS calls, (br, bc)
-    blas.gemm(False, True, br, bc, d, r.scale * _LOG2E, q_b[i0:i0 + br],
+    # S_ij and dP_ij = dO_i V_j^T: two BLAS calls, (br, bc)
+    blas.gemm(False, True, br, bc, d, r.scale, q_b[i0:i0 + br],
               k_b[j0:j0 + bc], 0, s)
     blas.gemm(False, True, br, bc, d_v, 1, do_b[i0:i0 + br],
               v_b[j0:j0 + bc], 0, dp)
@@ -265,11 +266,11 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse2_b, delta_b, b, i0, br,
              and _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b]))
     for a in range(br):
         i = i0 + a
-        shift = max(lse2_b[i], r.lowest)  # row_probability2's shift
+        shift = max(lse_b[i], r.lowest)  # row_probability's shift
         s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
         if plain:  # every pair allowed, none dropped: a vector loop
             for c in range(bc):
-                p = vector.exp2(s_a[c] - shift)
+                p = vector.exp2((s_a[c] - shift) * log2e)
                 pz_a[c] = p
                 s_a[c] = p * (dp_a[c] - delta_b[i])
             continue
@@ -279,15 +280,15 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse2_b, delta_b, b, i0, br,
                 s_a[c] = 0
                 pz_a[c] = 0
                 continue
-            p = vector.exp2(s_a[c] - shift)
+            p = vector.exp2((s_a[c] - shift) * log2e)
             z = _dropout_weight(r, b, i, j)
             pz_a[c] = p * z
             s_a[c] = p * (dp_a[c] * z - delta_b[i])
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_heads(q, k, v, do, lse2, delta, dq, dk, dv, block_q, block_k,
-                    r, kv_len, mask):
+def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, block_q, block_k,
+                    r, kv_len, mask, log2e):
     """All gradients of one batch element per thread, in one pass.
 
     The thread that owns a head owns its dQ too, so each tile's dS adds
@@ -311,8 +312,8 @@ def _backward_heads(q, k, v, do, lse2, delta, dq, dk, dv, block_q, block_k,
                 br = min(block_q, nq - i0)
                 if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                     continue
-                _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b],
-                         delta[b], b, i0, br, j0, bc, r, kv_len, mask)
+                _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b],
+                         delta[b], b, i0, br, j0, bc, r, kv_len, mask, log2e)
                 blas.gemm(True, False, bc, d_v, br, 1, pz,
                           do[b, i0:i0 + br], 1, dv_j)
                 blas.gemm(True, False, bc, d, br, r.scale, s,
@@ -324,8 +325,8 @@ def _backward_heads(q, k, v, do, lse2, delta, dq, dk, dv, block_q, block_k,
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
-                 kv_len, mask):
+def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, r,
+                 kv_len, mask, log2e):
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nk + block_k - 1) // block_k
@@ -343,8 +344,8 @@ def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
             br = min(block_q, nq - i0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b], delta[b],
-                     b, i0, br, j0, bc, r, kv_len, mask)
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b], delta[b],
+                     b, i0, br, j0, bc, r, kv_len, mask, log2e)
             # dV_j += (P Z)^T dO_i and dK_j += tau dS^T Q_i: BLAS calls
             blas.gemm(True, False, bc, d_v, br, 1, pz, do[b, i0:i0 + br],
                       1, dv_j)
@@ -355,8 +356,8 @@ def _backward_kv(q, k, v, do, lse2, delta, dk, dv, block_q, block_k, r,
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_q(q, k, v, do, lse2, delta, dq, block_q, block_k, r, kv_len,
-                mask):
+def _backward_q(q, k, v, do, lse, delta, dq, block_q, block_k, r, kv_len,
+                mask, log2e):
     bh, nq, d = q.shape
     nk = k.shape[1]
     n_blocks = (nq + block_q - 1) // block_q
@@ -373,8 +374,8 @@ def _backward_q(q, k, v, do, lse2, delta, dq, block_q, block_k, r, kv_len,
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse2[b], delta[b],
-                     b, i0, br, j0, bc, r, kv_len, mask)
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b], delta[b],
+                     b, i0, br, j0, bc, r, kv_len, mask, log2e)
             # dQ_i += tau dS_ij K_j: one BLAS call
             blas.gemm(False, False, br, d, bc, r.scale, s, k[bk, j0:j0 + bc],
                       1, dq_i)

@@ -84,34 +84,112 @@ def ring_attention(q, k, v, *, causal=False, scale=None,
                    layout="contiguous", group=None):
     """This rank's rows of exact attention over the whole ring's sequence.
 
-    q (..., n, d), k (..., n, d), v (..., n, d_v): this rank's slice, as
-    `split` lays it out; every rank passes the same shapes. CPU tensors
-    (float32, float64) need a gloo group and run `flashlab.tiled`; CUDA
-    tensors (float32, bfloat16, float16) need NCCL and run
-    `flashlab.gpu`. Returns this rank's output rows (..., n, d_v),
-    differentiable in q, k and v.
+    q (..., n, d), k (..., n_k, d), v (..., n_k, d_v): this rank's slice,
+    as `split` lays it out; every rank passes the same shapes and dtypes.
+    n_k may differ from n without a causal mask (each rank holds a slice
+    of a longer or shorter key sequence); under one, the positions pair
+    queries with keys, so n_k = n. CPU tensors (float32, float64) need a
+    gloo group and run `flashlab.tiled`; CUDA tensors (float32, bfloat16,
+    float16) need NCCL and run `flashlab.gpu`. Returns this rank's output
+    rows (..., n, d_v), differentiable in q, k and v.
+
+    The arguments of every rank are gathered and checked before any K/V
+    moves, so a rank that holds other shapes or dtypes gets the same
+    error on every rank rather than a collective that hangs or aborts.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor) or x.device != getattr(
-                q, "device", None):
-            raise TypeError(
-                f"{name}: expected a torch.Tensor on q's device, got "
-                f"{type(x).__name__}" + (f" on {x.device}" if isinstance(
-                    x, torch.Tensor) else ""))
-    local = _LOCAL.get(q.device.type)
-    if local is None or q.dtype not in local.dtypes:
-        raise TypeError(f"q: expected a CPU tensor of {_CPU.dtypes} or a "
-                        f"CUDA tensor of {_Cuda.dtypes}, got {q.dtype} "
-                        f"on {q.device}")
+    mine = _describe(q, k, v, causal, scale, layout)
     if not dist.is_initialized():
+        _check_ring([mine])  # bad input first: it needs no peers
         raise RuntimeError("ring_attention needs torch.distributed: call "
                            "dist.init_process_group first")
-    backend = dist.get_backend(group)
-    if backend != local.backend:
-        raise ValueError(f"group: expected a {local.backend} process group "
-                         f"for {q.device.type} tensors, got {backend}")
-    _check_layout(layout)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    _check_ring(everyone, dist.get_backend(group))
     return _Ring.apply(q, k, v, bool(causal), scale, layout, group)
+
+
+def _describe(q, k, v, causal, scale, layout):
+    """What every rank must agree on, as plain values to gather."""
+    def tensor(x):
+        if not isinstance(x, torch.Tensor):
+            return dict(type=type(x).__name__)
+        return dict(type="Tensor", device=str(x.device),
+                    dtype=x.dtype, shape=tuple(x.shape))
+
+    return dict(q=tensor(q), k=tensor(k), v=tensor(v), causal=bool(
+        causal), scale=scale, layout=layout)
+
+
+def _check_ring(ranks, backend=None):
+    """Raise the first problem in the gathered arguments of all ranks,
+    in rank order: every rank runs this on the same list, so every rank
+    raises the same error."""
+    where = (lambda r: f" on rank {r}") if len(ranks) > 1 else (
+        lambda r: "")
+    for r, a in enumerate(ranks):
+        q = a["q"]
+        for name in "qkv":
+            x = a[name]
+            if x["type"] != "Tensor" or x["device"] != q.get("device"):
+                raise TypeError(
+                    f"{name}: expected a torch.Tensor on q's device, got "
+                    f"{x['type']}" + (f" on {x['device']}" if "device" in x
+                                      else "") + where(r))
+        local = _LOCAL.get(q["device"].split(":")[0])
+        if local is None or q["dtype"] not in local.dtypes:
+            raise TypeError(
+                f"q: expected a CPU tensor of {_CPU.dtypes} or a CUDA "
+                f"tensor of {_Cuda.dtypes}, got {q['dtype']} on "
+                f"{q['device']}{where(r)}")
+        if backend is not None and backend != local.backend:
+            raise ValueError(
+                f"group: expected a {local.backend} process group for "
+                f"{q['device']} tensors, got {backend}")
+        _check_layout(a["layout"])
+        _check_slices(a, len(ranks), where(r))
+    for name in ("q", "k", "v", "causal", "scale", "layout"):
+        values = [a[name] for a in ranks]
+        if any(x != values[0] for x in values):
+            raise ValueError(
+                f"{name}: expected the same on every rank of the ring, "
+                f"got " + ", ".join(f"{_shown(x)} on rank {r}" for r, x in
+                                    enumerate(values)))
+
+
+def _check_slices(a, world, where):
+    """One rank's q, k and v fit together as slices of the ring."""
+    q, k, v = (a[n]["shape"] for n in "qkv")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x) < 2:
+            raise ValueError(f"{name}: expected (..., n, d), got shape "
+                             f"{x}{where}")
+    for name, x in (("k", k), ("v", v)):
+        if a[name]["dtype"] != a["q"]["dtype"]:
+            raise TypeError(f"{name}: expected q's dtype {a['q']['dtype']}"
+                            f", got {a[name]['dtype']}{where}")
+        if x[:-2] != q[:-2]:
+            raise ValueError(f"{name}: expected q's leading dims {q[:-2]},"
+                             f" got shape {x}{where}")
+    if k[-1] != q[-1] or v[-2] != k[-2]:
+        raise ValueError(f"k, v: expected k (..., n_k, {q[-1]}) and v "
+                         f"(..., n_k, d_v), got {k} and {v}{where}")
+    if a["causal"] and k[-2] != q[-2]:
+        raise ValueError(
+            f"k: expected {q[-2]} rows like q under a causal mask (each "
+            f"key's position is its query's), got shape {k}{where}")
+    chunks = world if a["layout"] == "contiguous" else 2 * world
+    if q[-2] * world % chunks:
+        raise ValueError(f"q: expected a whole number of {a['layout']} "
+                         f"chunks per rank, got {q[-2]} rows over {world} "
+                         f"ranks{where}")
+
+
+def _shown(x):
+    """A gathered value as an error message shows it."""
+    if isinstance(x, dict):
+        return (f"{x['dtype']} {x['shape']} on {x['device']}"
+                if "shape" in x else x["type"])
+    return repr(x)
 
 
 class _Ring(torch.autograd.Function):
@@ -169,6 +247,8 @@ class _Ring(torch.autograd.Function):
                 dq[..., rows, :] += g_q
                 dk_cur[..., cols, :] += g_k
                 dv_cur[..., cols, :] += g_v
+            if ring.world == 1:  # the slice is home: no hop to make
+                break
             # K/V and their gradients move on; the last hop takes the
             # gradients home to the slice's own rank
             tensors = ((k_cur, v_cur, dk_cur, dv_cur)
@@ -321,6 +401,8 @@ class _Peers:
 
     def pieces(self, step, causal):
         """`pieces` of this rank's queries and the slice held at `step`."""
+        if not causal:  # every pair, whatever the slices' lengths
+            return [(slice(None), slice(None), False)]
         owner = (self.rank - step) % self.world
         return pieces(self.pos[self.rank], self.pos[owner], causal)
 

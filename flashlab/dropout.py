@@ -5,6 +5,13 @@ where b is the flat index of the leading batch/head dims: a hash, not a
 stream of random numbers. The backward pass, which recomputes P tile by
 tile in another order, regenerates exactly the forward pass's decisions
 without storing a mask. See chapter 8.
+
+The rate is represented by 24 random bits per pair: a pair is kept with
+probability k / 2**24, within 2**-24 of 1 - dropout_p. That keeps the
+kept fraction (and so the mean of the 1 / (1 - p) weights) within
+2**-12 of itself for every rate up to MAX_RATE = 1 - 2**-12; rates above
+it, where 24 bits cannot represent 1 - p that well (at 1 - 2**-24 they
+would drop everything), are refused.
 """
 
 import math
@@ -17,6 +24,9 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _ZERO, _S27, _S30, _S31, _S40 = (np.uint64(x) for x in (0, 27, 30, 31, 40))
+BITS = 24  # random bits per pair (keep_bits)
+# The largest rate whose kept fraction 24 bits give to 2**-12 of itself
+MAX_RATE = 1.0 - 2.0**-12
 
 
 def keep_bits(seed, b, i, j):
@@ -77,6 +87,12 @@ def make(dropout_p, seed, batch_shape):
         raise ValueError(
             f"dropout_p: expected 0 <= dropout_p < 1, got {dropout_p!r}"
         )
+    if dropout_p > MAX_RATE:
+        raise ValueError(
+            f"dropout_p: expected at most 1 - 2**-12 = {MAX_RATE!r}: the "
+            f"rate is kept to 2**-{BITS} (24 random bits per pair), which "
+            f"closer to 1 biases the kept fraction by more than 2**-12 "
+            f"of itself; got {dropout_p!r}")
     if dropout_p == 0.0:
         return None
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
