@@ -196,3 +196,112 @@ def to_bf16(x):
     u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
     return u.astype(np.uint32).view(np.float32)
+
+
+# Hopper's warpgroup MMA (wgmma, chapter 12). A warpgroup is 4 warps, 128
+# threads; wgmma m64nNk16 multiplies a 64 x 16 A by a 16 x N B into a 64 x N
+# float32 accumulator that the warpgroup holds as mma.sync's C fragments
+# stacked: warp w holds rows 16 w.. (`wgmma_c_places`). B, and A unless it
+# comes from registers, is read from shared memory through a 64-bit
+# descriptor (`descriptor`) over 8 x 8 "core matrices" of 16-bit values.
+
+CORE_BYTES = 128  # a core matrix: 8 rows of 16 bytes, stored contiguously
+
+
+def core_offset(row, chunk, per_row):
+    """Byte offset of 16-byte chunk `chunk` of tile row `row` in the
+    unswizzled core-matrix layout of a tile with per_row chunks per row.
+
+    Each 8-row block of the tile stores its per_row core matrices one
+    after the other (128 bytes each); a core matrix is 8 rows x 1 chunk.
+    """
+    return ((row // 8) * per_row + chunk) * 128 + (row % 8) * 16
+
+
+def core_copy_place(t, per_row, threads):
+    """(row, chunk, rows per pass) of the first chunk thread t copies into a
+    core_offset tile: its offset is 16 t, then 16 threads more per pass.
+
+    Eight consecutive threads fill one core matrix (128 contiguous bytes,
+    free of bank conflicts); threads // per_row is a multiple of 8, so a
+    thread copies the same chunk, rows / pass further, in every pass.
+    """
+    block = t // 8  # the core matrix of this thread in pass 0
+    return (block // per_row) * 8 + t % 8, block % per_row, \
+        threads // per_row
+
+
+def descriptor(address, lbo, sbo):
+    """wgmma's matrix descriptor (no swizzle) as an int: start address,
+    leading (K-direction) and stride (M/N-direction) byte offsets between
+    core matrices, each in 16-byte units: bits 0-13, 16-29 and 32-45."""
+    return (((address & 0x3FFFF) >> 4) | ((lbo >> 4) << 16)
+            | ((sbo >> 4) << 32))
+
+
+def k_major(per_row):
+    """(LBO, SBO, k-step) in bytes of a core_offset tile read K-major (K
+    along the row: Q as A, K as B of S = Q K^T): the next 8 columns are
+    the next core matrix, the next 8 rows a block of per_row further, and
+    a k-step (16 columns) two core matrices."""
+    return CORE_BYTES, per_row * CORE_BYTES, 2 * CORE_BYTES
+
+
+def mn_major(per_row):
+    """(LBO, SBO, k-step) in bytes of a core_offset tile read MN-major
+    (transposed: K down the rows, as V, keys x d_v, is B of P V): the next
+    8 rows (K) are a block further, the next 8 columns (N) one core
+    matrix, and a k-step (16 rows) two blocks."""
+    return per_row * CORE_BYTES, CORE_BYTES, 2 * per_row * CORE_BYTES
+
+
+def descriptor_fields(desc):
+    """(address, lbo, sbo) in bytes: `descriptor` read back."""
+    desc = int(desc)
+    return ((desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4,
+            ((desc >> 32) & 0x3FFF) << 4)
+
+
+def wgmma_operand(shared, desc, mn, transposed):
+    """Model of what wgmma reads through `desc` from `shared` (1-D 16-bit
+    values, element e at byte 2 e): the (mn, 16) K-major operand, or the
+    (16, mn) MN-major one if transposed. Unswizzled core matrices."""
+    start, lbo, sbo = descriptor_fields(desc)
+    m = np.arange(mn)[:, None]  # row in M/N
+    k = np.arange(16)[None, :]
+    if transposed:  # a core matrix row: 8 M/N values of one k
+        at = start + (m // 8) * sbo + (k // 8) * lbo + (k % 8) * 16 \
+            + (m % 8) * 2
+        return shared[at.T // 2]
+    at = start + (m // 8) * sbo + (k // 8) * lbo + (m % 8) * 16 + (k % 8) * 2
+    return shared[at // 2]
+
+
+def wgmma_c_places(n):
+    """(128, n // 2, 2) row and column of accumulator register r of thread
+    t for m64nN: mma.sync's C fragment of 8-column group r // 4, in warp
+    t // 32's 16 rows."""
+    warp, lane = np.arange(128) // 32, np.arange(128) % 32
+    c = c_places()[lane]  # (128, 4, 2)
+    rows = c[..., 0] + 16 * warp[:, None]
+    cols = c[..., 1][:, None, :] + 8 * np.arange(n // 8)[None, :, None]
+    rows = np.broadcast_to(rows[:, None, :], cols.shape)
+    return np.stack([rows, cols], -1).reshape(128, n // 2, 2)
+
+
+def wgmma_a_places():
+    """(128, 4, 2, 2) place of each 16-bit value of the register A operand
+    of m64nNk16: mma.sync's A fragment in warp t // 32's 16 rows."""
+    warp, lane = np.arange(128) // 32, np.arange(128) % 32
+    places = a_places(16)[lane].copy()
+    places[..., 0] += 16 * warp[:, None, None]
+    return places
+
+
+def wgmma(a, b, c):
+    """Model of wgmma m64nNk16: D registers (128, n // 2) = A B + C, with
+    A (64, 16) and B (16, n) matrices (from `wgmma_operand`, or A from
+    registers by `scatter` at wgmma_a_places) and C registers. Float64."""
+    n = b.shape[1]
+    c_m = scatter(c, wgmma_c_places(n), (64, n))
+    return gather(a @ b + c_m, wgmma_c_places(n))

@@ -1,0 +1,142 @@
+"""Hopper's warpgroup MMA (wgmma) for numba.cuda, as inline PTX (sm_90a).
+
+A warpgroup (4 warps, 128 threads) multiplies a 64 x 16 A by a 16 x N B
+with one wgmma.mma_async m64nNk16: B, and A unless it comes from
+registers, is read from shared memory through a descriptor
+(fragments.descriptor), and the 64 x N float32 accumulator lies in the
+warpgroup's registers as mma.sync's C fragments stacked over its warps
+(fragments.wgmma_c_places). These instructions exist only on sm_90a:
+kernels built on them compile with cc=(9, 0, "a") and are loaded through
+the driver, not numba's dispatcher.
+
+Each product below is one asm statement from the first wgmma.fence to
+wgmma.wait_group 0: while an mma_async is in flight its accumulator and
+A registers belong to the tensor cores, and inside one statement the
+compiler cannot move or copy them. Accumulators and A fragments are
+constant-size local arrays (in registers once unrolled), read and written
+whole. See chapter 12.
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.cuda.extending import intrinsic
+
+_F32 = ir.FloatType()
+_I64 = ir.IntType(64)
+KINDS = {"bf16": "bf16", "f16": "f16"}  # the PTX type of each 16-bit kind
+
+
+def _elements(context, builder, arr_type, arr, count):
+    """Pointers to elements 0..count-1 of a C-contiguous local array."""
+    data = context.make_array(arr_type)(context, builder, value=arr).data
+    return [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
+
+
+def _product(body, registers):
+    """One asm block: fence, `steps` wgmmas, commit, wait for them."""
+    return "\n\t".join(["{", ".reg .pred z, p;", f".reg .b64 {registers};",
+                        "setp.ne.b32 z, 0, 0;", "setp.ne.b32 p, 1, 0;",
+                        "wgmma.fence.sync.aligned;", *body,
+                        "wgmma.commit_group.sync.aligned;",
+                        "wgmma.wait_group.sync.aligned 0;", "}"])
+
+
+def mma_ss(n, steps, a_step, b_step, kind, trans_b=0):
+    """acc = A B: `steps` k-steps of m64n<n>k16, A and B from shared memory.
+
+    mma_ss(...)(acc, desc_a, desc_b): acc a float32 local array of n / 2
+    (C-contiguous, register r at flat index r), desc_a and desc_b uint64
+    descriptors of k-step 0; k-step s reads a_step, b_step bytes further
+    on (compile-time constants). trans_b = 1 reads B MN-major.
+    """
+    regs = n // 2
+    d = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
+    body = []
+    for s in range(steps):
+        body += [f"add.s64 a{s}, ${regs}, {s * a_step >> 4};",
+                 f"add.s64 b{s}, ${regs + 1}, {s * b_step >> 4};",
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
+                 f"{KINDS[kind]}.{KINDS[kind]} {d}, a{s}, b{s}, "
+                 f"{'z' if s == 0 else 'p'}, 1, 1, 0, {trans_b};"]
+    ptx = _product(body, f"a<{steps}>, b<{steps}>")
+    constraints = ",".join(["=f"] * regs + ["l", "l"])
+
+    def typer(typingctx, acc, desc_a, desc_b):
+        sig = types.void(acc, types.uint64, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            res = builder.asm(
+                ir.FunctionType(ir.LiteralStructType([_F32] * regs),
+                                [_I64, _I64]),
+                ptx, constraints, [args[1], args[2]], True)
+            for i, at in enumerate(_elements(context, builder,
+                                             signature.args[0], args[0],
+                                             regs)):
+                builder.store(builder.extract_value(res, i), at)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+def mma_rs(n, steps, b_step, kind, trans_b=1):
+    """acc += A B: `steps` k-steps of m64n<n>k16, A from registers, B from
+    shared memory.
+
+    mma_rs(...)(acc, a, desc_b): acc a float32 local array of n / 2, a an
+    int32 local array (steps, 4) of 16-bit pairs, row s the A fragment of
+    k-step s (fragments.wgmma_a_places), desc_b the uint64 descriptor of
+    k-step 0, k-step s b_step bytes on. trans_b = 1 (the default) reads B
+    MN-major: V stored keys x d_v is B of P V.
+    """
+    regs = n // 2
+    d = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
+    desc = regs + 4 * steps  # operand number of desc_b
+    body = []
+    for s in range(steps):
+        a = "{" + ",".join(f"${regs + 4 * s + x}" for x in range(4)) + "}"
+        body += [f"add.s64 b{s}, ${desc}, {s * b_step >> 4};",
+                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
+                 f"{KINDS[kind]}.{KINDS[kind]} {d}, {a}, b{s}, p, 1, 1, "
+                 f"{trans_b};"]
+    ptx = _product(body, f"b<{steps}>")
+    constraints = ",".join(["=f"] * regs + ["r"] * (4 * steps) + ["l"]
+                           + [str(i) for i in range(regs)])
+
+    def typer(typingctx, acc, a, desc_b):
+        sig = types.void(acc, a, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            accs = _elements(context, builder, signature.args[0], args[0],
+                             regs)
+            frags = _elements(context, builder, signature.args[1], args[1],
+                              4 * steps)
+            operands = ([builder.load(x) for x in frags] + [args[2]]
+                        + [builder.load(x) for x in accs])
+            res = builder.asm(
+                ir.FunctionType(ir.LiteralStructType([_F32] * regs),
+                                [x.type for x in operands]),
+                ptx, constraints, operands, True)
+            for i, at in enumerate(accs):
+                builder.store(builder.extract_value(res, i), at)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+@intrinsic
+def proxy_fence(typingctx):
+    """fence.proxy.async.shared::cta: this thread's shared-memory writes
+    (st.shared, cp.async) become visible to the async proxy that wgmma
+    reads through; a barrier after it makes all threads' visible."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        builder.asm(ir.FunctionType(ir.VoidType(), []),
+                    "fence.proxy.async.shared::cta;", "~{memory}", [], True)
+        return context.get_dummy_value()
+
+    return sig, codegen

@@ -1,0 +1,152 @@
+"""The wgmma layouts forward_v7 relies on, on flashlab.fragments' model.
+
+CI has no Hopper GPU, so what v7 assumes about wgmma's descriptors, the
+core-matrix tiles in shared memory and the accumulator and register-A
+layouts is checked here, with the functions the kernel itself calls
+(core_copy_place, descriptor, k_major, mn_major, a_from_c): a tile copied
+as the kernel copies it and read through the kernel's descriptors must
+give the matrix products numpy computes from the original matrices.
+"""
+
+import numpy as np
+import pytest
+
+from flashlab import fragments as fr
+from flashlab.gpu.warp import BR, THREADS
+
+BC = 64  # keys per K/V tile, as forward_v7
+KP = BC // 16  # k-steps of P V
+
+
+def copied(tile, per_row):
+    """16-bit values of `tile` (rows, 8 per_row) laid out in shared memory
+    the way forward_v7.load_cores copies them (1-D, element e at byte 2
+    e)."""
+    rows = tile.shape[0]
+    shared = np.full(tile.size, np.nan)
+    for t in range(THREADS):
+        r, c, step = fr.core_copy_place(t, per_row, THREADS)
+        for p in range(rows // step):
+            at = (16 * (t + p * THREADS)) // 2
+            shared[at:at + 8] = tile[r + p * step, 8 * c:8 * c + 8]
+    return shared
+
+
+def kernel_descriptors(address, major, per_row, steps):
+    """The descriptors of k-steps 0.. as wgmma.mma_ss/rs make them: the
+    k-step 0 word plus step >> 4 (the start address's field)."""
+    lbo, sbo, step = major(per_row)
+    first = fr.descriptor(address, lbo, sbo)
+    return [first + (s * step >> 4) for s in range(steps)]
+
+
+def test_descriptor_bits():
+    # address 0x1230, LBO 128, SBO 256: 0x123, 8 and 16 in their fields
+    assert fr.descriptor(0x1230, 128, 256) == 0x123 | 8 << 16 | 16 << 32
+    # a shared address keeps its low 18 bits, in 16-byte units
+    assert fr.descriptor(0x41230, 0, 0) == 0x123
+    for address in (0, 16, 0x3FFF0, 49152 - 1024):
+        for lbo, sbo in ((128, 1024), (2048, 128)):
+            assert fr.descriptor_fields(fr.descriptor(address, lbo, sbo)) \
+                == (address, lbo, sbo)
+
+
+@pytest.mark.parametrize("per_row", [8, 16])
+def test_kernel_steps_are_descriptors_of_the_moved_address(per_row):
+    for major in (fr.k_major, fr.mn_major):
+        lbo, sbo, step = major(per_row)
+        got = kernel_descriptors(0x2000, major, per_row, 8)
+        assert got == [fr.descriptor(0x2000 + s * step, lbo, sbo)
+                       for s in range(8)]
+
+
+@pytest.mark.parametrize("per_row", [8, 16])
+def test_core_copy_fills_each_chunk_once_at_its_offset(per_row):
+    rows = BR
+    seen = set()
+    for t in range(THREADS):
+        r, c, step = fr.core_copy_place(t, per_row, THREADS)
+        assert rows % step == 0 and step % 8 == 0
+        for p in range(rows // step):
+            assert fr.core_offset(r + p * step, c, per_row) == \
+                16 * (t + p * THREADS)
+            seen.add((r + p * step, c))
+    assert seen == {(r, c) for r in range(rows) for c in range(per_row)}
+
+
+def test_eight_threads_fill_one_core_matrix():
+    # 16-byte copies of threads 8i..8i+7 are one contiguous 128 bytes:
+    # the 32 banks once, no conflict
+    for per_row in (8, 16):
+        for i in range(THREADS // 8):
+            at = {fr.core_offset(*fr.core_copy_place(t, per_row,
+                                                     THREADS)[:2], per_row)
+                  for t in range(8 * i, 8 * i + 8)}
+            assert sorted(at) == list(range(128 * i, 128 * i + 128, 16))
+
+
+def test_accumulator_places_cover_the_tile_once():
+    for n in (64, 128):
+        flat = fr.wgmma_c_places(n).reshape(-1, 2)
+        assert len({tuple(p) for p in flat}) == 64 * n == len(flat)
+        assert tuple(flat.max(0) + 1) == (64, n)
+    flat = fr.wgmma_a_places().reshape(-1, 2)
+    assert len({tuple(p) for p in flat}) == 64 * 16 == len(flat)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_s_is_q_k_transposed_through_descriptors(rng, d):
+    q, k = rng.standard_normal((BR, d)), rng.standard_normal((BC, d))
+    per_row = d // 8
+    q_at, k_at = 0, BR * d * 2  # byte addresses of the two tiles
+    shared = np.concatenate([copied(q, per_row), copied(k, per_row)])
+    acc = np.zeros((THREADS, BC // 2))
+    for da, db in zip(kernel_descriptors(q_at, fr.k_major, per_row, d // 16),
+                      kernel_descriptors(k_at, fr.k_major, per_row,
+                                         d // 16)):
+        a = fr.wgmma_operand(shared, da, BR, transposed=False)  # (64, 16)
+        bt = fr.wgmma_operand(shared, db, BC, transposed=False)  # (n, 16)
+        acc = fr.wgmma(a, bt.T, acc)
+    want = fr.gather(q @ k.T, fr.wgmma_c_places(BC))
+    assert np.allclose(acc, want, rtol=0, atol=1e-12)  # float64, d terms
+
+
+def p_fragments(sf):
+    """(128, KP, 4, 2) the A pairs forward_v7 packs from S's
+    accumulator sf (128, NS, 4), by fragments.a_from_c."""
+    pf = np.empty((THREADS, KP, 4, 2))
+    for kp in range(KP):
+        for x in range(4):
+            n, e = fr.a_from_c(x)
+            pf[:, kp, x] = sf[:, 2 * kp + n, e:e + 2]
+    return pf
+
+
+@pytest.mark.parametrize("d_v", [64, 128])
+def test_o_is_p_v_with_p_from_registers(rng, d_v):
+    p, v = rng.standard_normal((BR, BC)), rng.standard_normal((BC, d_v))
+    o = rng.standard_normal((BR, d_v))
+    sf = fr.gather(p, fr.wgmma_c_places(BC)).reshape(THREADS, BC // 8, 4)
+    pf = p_fragments(sf)
+    shared = copied(v, d_v // 8)
+    acc = fr.gather(o, fr.wgmma_c_places(d_v))
+    descs = kernel_descriptors(0, fr.mn_major, d_v // 8, KP)
+    for kp, db in enumerate(descs):
+        a = fr.scatter(pf[:, kp], fr.wgmma_a_places(), (BR, 16))
+        assert np.array_equal(a, p[:, 16 * kp:16 * kp + 16])
+        b = fr.wgmma_operand(shared, db, d_v, transposed=True)  # (16, n)
+        acc = fr.wgmma(a, b, acc)
+    want = fr.gather(p @ v + o, fr.wgmma_c_places(d_v))
+    assert np.allclose(acc, want, rtol=0, atol=1e-12)
+
+
+def test_a_wrong_descriptor_is_caught(rng):
+    # LBO and SBO swapped read the tile's core matrices in another order:
+    # the model must see it, or the checks above could not fail
+    q = rng.standard_normal((BR, 64))
+    shared = copied(q, 8)
+    lbo, sbo, _ = fr.k_major(8)
+    right = fr.wgmma_operand(shared, fr.descriptor(0, lbo, sbo), BR, False)
+    assert np.array_equal(right, q[:, :16])
+    wrong = fr.wgmma_operand(shared, fr.descriptor(0, sbo, lbo), BR, False)
+    assert not np.array_equal(wrong, q[:, :16])
