@@ -104,8 +104,11 @@ def combine(outs, lses):
     allowed key). Each is a `Summary` with m = lse, l = 1, u = out, so the
     splits fold with `merge`; returns (out (..., d_v), lse (...)).
     """
-    outs, lses = np.asarray(outs), np.asarray(lses)
-    if outs.ndim < 2 or lses.shape != outs.shape[:-1]:
+    outs, lses = _float_array("outs", outs), _float_array("lses", lses)
+    if outs.ndim < 2:
+        raise ValueError(f"outs: expected (S, ..., d_v), one normalized "
+                         f"output per split, got shape {outs.shape}")
+    if lses.shape != outs.shape[:-1]:
         raise ValueError(
             f"lses: expected shape {outs.shape[:-1]} (one per split and "
             f"row of outs {outs.shape}), got {lses.shape}")
@@ -117,6 +120,19 @@ def combine(outs, lses):
             out.dtype), np.where(np.isneginf(lse)[..., None], 0, out))
         total = part if total is None else merge(total, part)
     return total.output(), total.lse()
+
+
+def _float_array(name, x):
+    """x as a float ndarray, or an error that names it."""
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged nesting
+        raise ValueError(f"{name}: expected an array of one shape, got "
+                         f"ragged sequences") from None
+    if arr.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a float array, got dtype "
+                        f"{arr.dtype}")
+    return arr
 
 
 def probabilities(scores, lse, l=None):

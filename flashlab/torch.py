@@ -107,9 +107,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
         if mask.requires_grad:
             raise ValueError("attn_mask: expected a mask that needs no "
                              "gradient; flashlab computes none for it")
-        mask = mask.detach().cpu().numpy()
+        mask = _mask_numpy(mask, q)
     if isinstance(kv_lengths, torch.Tensor):
-        kv_lengths = kv_lengths.detach().cpu().numpy()
+        kv_lengths = _host_numpy("kv_lengths", kv_lengths)
     q, k, v = _broadcast(q, k, v, check_flag("enable_gqa", enable_gqa))
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
@@ -133,8 +133,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
         if x.dim() != 3:
             raise ValueError(f"{name}: expected (total, heads, d), got "
                              f"shape {tuple(x.shape)}")
-    cu = [c.detach().cpu().numpy() if isinstance(c, torch.Tensor) else c
-          for c in (cu_seqlens_q, cu_seqlens_k)]
+    cu = [_host_numpy(name, c) if isinstance(c, torch.Tensor) else c
+          for name, c in (("cu_seqlens_q", cu_seqlens_q),
+                          ("cu_seqlens_k", cu_seqlens_k))]
     spans = varlen.check_packed(q, k, v, *cu, {})
     if dropout_p and seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
@@ -144,8 +145,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
     outs = []
     for b, (rq, rk) in enumerate(spans):
         if rk.stop == rk.start:  # no keys: its rows are 0
-            outs.append(q.new_zeros((rq.stop - rq.start, q.shape[1],
-                                     v.shape[2])))
+            outs.append(_zeros_of(q, k, v, (rq.stop - rq.start, q.shape[1],
+                                            v.shape[2])))
             continue
         if rq.stop == rq.start:
             continue
@@ -153,8 +154,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
             (q, rq), (k, rk), (v, rk))), enable_gqa=k.shape[1] !=
             q.shape[1], **varlen.sequence_options(options, b))
         outs.append(o_b.transpose(0, 1))
-    return torch.cat(outs, 0) if outs else q.new_zeros(
-        (0, q.shape[1], v.shape[2]))
+    return torch.cat(outs, 0) if outs else _zeros_of(
+        q, k, v, (0, q.shape[1], v.shape[2]))
 
 
 def _check_tensor(name, x, q):
@@ -231,3 +232,32 @@ def saved_shapes(fn, *args):
 def _numpy(*tensors):
     """Detached CPU numpy views of tensors (no copies for CPU tensors)."""
     return [np.asarray(t.detach().cpu().numpy()) for t in tensors]
+
+
+def _host_numpy(name, x):
+    """A CPU numpy copy of a small tensor argument (mask, lengths)."""
+    if x.device.type not in _DTYPES:
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got one "
+                         f"on {x.device} (no data to read)")
+    return x.detach().cpu().numpy()
+
+
+def _mask_numpy(mask, q):
+    """attn_mask as numpy: bool, or a float dtype SDPA takes with q's
+    (float32 or q's own); 16-bit values widen to float32 exactly."""
+    if mask.is_floating_point() and mask.dtype not in (torch.float32,
+                                                       q.dtype):
+        raise TypeError(f"attn_mask: expected a bool mask or a float one "
+                        f"of dtype float32 or query's {q.dtype} (as "
+                        f"SDPA), got {mask.dtype}")
+    if mask.dtype in (torch.bfloat16, torch.float16):
+        mask = mask.float()  # numpy has no bfloat16
+    return _host_numpy("attn_mask", mask)
+
+
+def _zeros_of(q, k, v, shape):
+    """Zeros of q's dtype in `shape` that backpropagate zero gradients to
+    q, k and v (rows with no key): sums over no elements are exactly 0,
+    whatever NaN or inf q, k and v hold."""
+    zero = sum(x[:0].sum() for x in (q, k, v))
+    return q.new_zeros(shape) + zero

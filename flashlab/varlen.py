@@ -77,7 +77,8 @@ def check_packed(q, k, v, cu_q, cu_k, options):
             raise ValueError(f"{name}: expected (total, heads, d), got "
                              f"shape {np.shape(x)}")
     for name, x in (("k", k), ("v", v)):
-        if x.shape[1] != k.shape[1] or q.shape[1] % x.shape[1]:
+        if x.shape[1] != k.shape[1] or x.shape[1] == 0 or (
+                q.shape[1] % x.shape[1]):
             raise ValueError(f"{name}: expected a number of heads (dim 1) "
                              f"dividing q's {q.shape[1]}, got shape "
                              f"{x.shape}")
