@@ -69,6 +69,10 @@ def flatten(q, k, v, options):
             "the scores, which the numba kernels do not; pass it to "
             "flashlab.tiled (or flashlab.torch on the CPU), or a boolean "
             "mask here")
+    if np.ndim(masks.offset):  # a diagonal per element: as a mask
+        masks = masks._replace(causal=False, offset=0, window=None,
+                               mask=masks.allowed(range(plan.nq),
+                                                  range(plan.nk)))
     left, right = (-1 if w is None else w
                    for w in (masks.window or (None, None)))
     kv_len = np.full(batch, plan.nk, dtype=np.int64)

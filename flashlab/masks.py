@@ -10,8 +10,11 @@ Query i may attend to key j when all of the given rules allow it:
 with one diagonal offset for both, chosen by align: 0 for "top_left" (the
 first query sits on the first key, as torch's is_causal=True) and Nk - Nq
 for "bottom_right" (the last query sits on the last key, as when decoding
-with a KV cache, and as flash-attn's causal and window_size). causal=
-"top_left" or "bottom_right" is causal=True with that align;
+with a KV cache, and as flash-attn's causal and window_size). With
+kv_lengths, "bottom_right" aligns each batch element to its own last
+valid key, kv_lengths[b] - Nq, as flash-attn's unpadded sequences and
+xformers' bottom-right block-diagonal masks do. causal="top_left" or
+"bottom_right" is causal=True with that align;
 - kv_lengths: j < kv_lengths[b] for batch element b (key padding);
 - mask: mask[..., i, j] is True; or, for a float mask (torch's additive
   attn_mask), mask[..., i, j] > -inf, and the score gains mask[..., i, j].
@@ -31,7 +34,7 @@ class Rules(NamedTuple):
     """The attention pattern of one call, in the form tiles ask about."""
 
     causal: bool
-    offset: int  # diagonal offset: 0 or Nk - Nq
+    offset: int | np.ndarray  # 0, Nk - Nq, or (*batch, 1, 1) per element
     window: tuple | None  # (left, right), either may be None
     kv_lengths: np.ndarray | None  # (*batch, 1, 1) valid key counts
     mask: np.ndarray | None  # boolean, broadcastable to (*batch, Nq, Nk)
@@ -70,7 +73,8 @@ class Rules(NamedTuple):
             ..., _span(cols, b.shape[-1])]
 
     def index(self):
-        """The index rules as the record the scalar forms below take."""
+        """The index rules as the record the scalar forms below take
+        (with per-element offsets, an (*batch, 1, 1) offset array)."""
         left, right = (-1 if w is None else w
                        for w in (self.window or (None, None)))
         return Index(self.causal, self.offset, left, right)
@@ -81,6 +85,9 @@ class Rules(NamedTuple):
         Decided from the tile's corners when only index rules apply, so a
         skipped tile costs O(1) instead of O(Br Bc).
         """
+        if np.ndim(self.offset):  # a diagonal per element: ask every pair
+            keep = self.allowed(rows, cols)
+            return keep is not None and not keep.any()
         kv = (self.kv_lengths.max() if self.kv_lengths is not None
               else cols.stop)
         if tile_skipped(rows.start, rows.stop, cols.start, cols.stop,
@@ -98,16 +105,18 @@ class Rules(NamedTuple):
         Only these rows output 0 with lse -inf; see `flashlab.nonfinite`.
         From closed-form bounds per row, plus one pass over a boolean mask.
         """
-        i = np.arange(nq)
+        index = self.index()
+        # each row's diagonal (Nq,), or (*batch, Nq) with per-element ones
+        diag = np.arange(nq) + (index.offset[..., 0] if np.ndim(
+            index.offset) else index.offset)
         lo = np.zeros(nq, dtype=np.int64)  # first allowed key, ...
         hi = np.full(nq, nk - 1, dtype=np.int64)  # ... and the last
-        index = self.index()
         if index.causal:
-            hi = np.minimum(hi, i + index.offset)
+            hi = np.minimum(hi, diag)
         if index.left >= 0:
-            lo = np.maximum(lo, i + index.offset - index.left)
+            lo = np.maximum(lo, diag - index.left)
         if index.right >= 0:
-            hi = np.minimum(hi, i + index.offset + index.right)
+            hi = np.minimum(hi, diag + index.right)
         if self.kv_lengths is not None:
             hi = np.minimum(hi, self.kv_lengths[..., 0] - 1)
         empty = np.broadcast_to(lo > hi, (*batch_shape, nq))
@@ -182,11 +191,15 @@ def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
                              f"{causal!r}; pass causal=True with align")
         align = causal
     is_causal = causal is not None and causal is not False
+    kv_lengths = _check_lengths(kv_lengths, batch_shape, nk)
     offset = nk - nq if align == "bottom_right" else 0
     window = _check_window(window)
     if window is not None:  # a side past both lengths bounds nothing
         window = tuple(None if w is not None and w >= nq + nk else w
                        for w in window)
+    if align == "bottom_right" and kv_lengths is not None and (
+            is_causal or window is not None):
+        offset = kv_lengths.astype(np.int64) - nq  # each its own last key
     bias = None
     if mask is not None and np.asarray(mask).dtype.kind == "f":
         bias = _check_mask(mask, batch_shape, nq, nk, np.asarray(
@@ -196,7 +209,7 @@ def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
         causal=is_causal,
         offset=offset,
         window=window,
-        kv_lengths=_check_lengths(kv_lengths, batch_shape, nk),
+        kv_lengths=kv_lengths,
         mask=_check_mask(mask, batch_shape, nq, nk),
         bias=bias,
     )
