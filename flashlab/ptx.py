@@ -85,7 +85,7 @@ def assemble(ptx, cc=(9, 0)):
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
         done = subprocess.run(
-            [tool, f"-arch=sm_{cc[0]}{cc[1]}", "-v", str(source), "-o",
+            [tool, f"-arch={arch_name(cc)}", "-v", str(source), "-o",
              str(Path(tmp) / "kernel.cubin")],
             capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -95,6 +95,11 @@ def assemble(ptx, cc=(9, 0)):
                       done.stderr)
     return {"regs": int(regs.group(1)), "stack": int(stack.group(1)),
             "spill": int(stack.group(2))}
+
+
+def arch_name(cc):
+    """sm_80, sm_90a, ... for a compute capability (or (9, 0, "a"))."""
+    return "sm_" + "".join(str(c) for c in cc)
 
 
 def report(head_dims=HEAD_DIMS, only=()):

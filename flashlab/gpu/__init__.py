@@ -12,7 +12,10 @@ package, in the order chapters 9 and 10 read it:
 - `intrinsics`, `warp`, `forward_v5`, `forward_v6`: mma.sync, ldmatrix
   and cp.async from numba, and the warp-level kernels built on them;
 - `backward`: dK/dV and dQ kernels, deterministic, no atomics;
-- `build`: the kernel registry, compile cache and PTX without a GPU;
+- `registry`: every kernel described once (dtypes, head dims, compute
+  capabilities), and the version a device runs;
+- `launch`, `build`: numba compiles, the driver loads and launches
+  (sm_90a on Hopper); PTX for any target without a GPU;
 - this module: the host entry points `attention` and
   `attention_backward`, with the keywords of `tiled.attention`.
 """
@@ -34,6 +37,8 @@ from flashlab.gpu import (
     forward_v4,
     forward_v5,
     forward_v6,
+    launch,
+    registry,
     warp,
 )
 from flashlab.gpu.build import compile_ptx, kernel, kernel_names, supports
@@ -45,10 +50,16 @@ __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
             5: forward_v5, 6: forward_v6}
-VERSIONS = tuple(FORWARDS)
-FLOAT32_VERSIONS = (1, 2, 3, 4, 6)  # take float32 inputs
-HALF_VERSIONS = (5,)  # take bf16 or float16 inputs
-TENSOR_CORE_VERSIONS = (5, 6)  # inline PTX: a GPU, never the simulator
+VERSIONS = registry.versions()
+FLOAT32_VERSIONS = tuple(  # take float32 inputs
+    v for v in VERSIONS
+    if any("float32" in k.dtypes for k in registry.forwards(v)))
+HALF_VERSIONS = tuple(  # take bf16 or float16 inputs
+    v for v in VERSIONS
+    if any("bfloat16" in k.dtypes for k in registry.forwards(v)))
+TENSOR_CORE_VERSIONS = tuple(  # inline PTX: a GPU, never the simulator
+    v for v in VERSIONS
+    if registry.forwards(v)[0].min_cc >= registry.MMA_CC)
 SPLIT_VERSIONS = (3,)  # take num_splits > 1 (split-KV), or "auto"
 PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
 DEFAULT_VERSION = 3  # float32 without tensor cores (bench_h200, simulator)
@@ -88,6 +99,28 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     return_lse = check_flag("return_lse", return_lse)
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
     version = _check_version(version, dtype, d, d_v)
+    if version is None:  # 16-bit inputs on a GPU without bf16 mma
+        return _widened(attention, (q, k, v), dtype, return_lse,
+                        block_q=block_q, block_k=block_k, scale=scale,
+                        causal=causal, mask=mask, window=window,
+                        kv_lengths=kv_lengths, dropout_p=dropout_p,
+                        seed=seed, return_lse=return_lse, order=order,
+                        num_splits=num_splits, version=DEFAULT_VERSION,
+                        align=align)
+    fast = _fast_key(q, k, v, version, dtype, precision, num_splits, dict(
+        block_q=block_q, block_k=block_k, scale=scale, causal=causal,
+        mask=mask, window=window, kv_lengths=kv_lengths,
+        dropout_p=dropout_p, align=align))
+    if fast is not None:
+        plan = _plans.get(fast)
+        if plan is None:
+            plan = _plans[fast] = _ForwardPlan(
+                q, k, v, version, dtype, precision, dict(
+                    scale=scale, causal=causal, mask=None, window=window,
+                    kv_lengths=None, dropout_p=dropout_p, seed=seed,
+                    align=align), block_q, block_k)
+        o, lse = plan(q, k, v, seed)
+        return (o, lse) if return_lse else o
     if num_splits == "auto" and version in SPLIT_VERSIONS:
         num_splits = choose_splits(q.shape[-2], k.shape[-2],
                                    int(np.prod(q.shape[:-2])), d, d_v)
@@ -166,7 +199,7 @@ def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
                      call.to_kernel(k, (call.bh_kv, call.nk, d)), vk,
                      parts_k,
                      lses_k, *call.args)
-    device.combine_splits[
+    kernel("combine_splits", 0, 0)[
         (math.ceil(call.nq * d_v / device.THREADS), call.bh),
         device.THREADS, call.stream](parts_k, lses_k, o_k, lse_k,
                                      call.args[0].lowest)
@@ -200,13 +233,12 @@ def combine(outs, lses):
     if torch_in:
         import torch
 
-        stream = cuda.external_stream(
-            torch.cuda.current_stream(outs.device).cuda_stream)
+        stream = _stream(outs)
         out = torch.empty(shape[1:], dtype=torch.float32,
                           device=outs.device)
         lse = torch.empty(shape[1:-1], dtype=torch.float32,
                           device=outs.device)
-        views = [cuda.as_cuda_array(x.contiguous().view(s), sync=False)
+        views = [_device_view(x.contiguous().view(s))
                  for x, s in ((outs, (splits * bh, nq, d_v)),
                               (lses, (splits * bh, nq)),
                               (out, (bh, nq, d_v)), (lse, (bh, nq)))]
@@ -219,8 +251,9 @@ def combine(outs, lses):
                  cuda.device_array((bh, nq, d_v), np.float32),
                  cuda.device_array((bh, nq), np.float32)]
     if bh and nq and d_v:
-        device.combine_splits[(math.ceil(nq * d_v / device.THREADS), bh),
-                              device.THREADS, stream](*views, lowest)
+        kernel("combine_splits", 0, 0)[
+            (math.ceil(nq * d_v / device.THREADS), bh), device.THREADS,
+            stream](*views, lowest)
     if torch_in:
         return out, lse
     return (views[2].copy_to_host().reshape(shape[1:]),
@@ -269,8 +302,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     dok = call.to_kernel(do, (bh, nq, d_v))
     lsek = call.to_kernel(lse, (bh, nq))
     delta, delta_k = call.empty((bh, nq))
-    device.row_dot[(math.ceil(nq / device.THREADS), bh), device.THREADS,
-                   call.stream](dok, ok, delta_k)
+    kernel("row_dot", 0, 0)[(math.ceil(nq / device.THREADS), bh),
+                            device.THREADS, call.stream](dok, ok, delta_k)
     dq, dq_k = call.empty((bh, nq, d))
     # dK, dV per query head; a K/V head's is the sum over its group
     dk, dk_k = call.empty((bh, nk, d))
@@ -349,17 +382,18 @@ def _refuse_simulator(what):
 
 
 def _check_version(version, dtype, d, d_v):
-    """The forward version for inputs of `dtype` (None: the fastest one
-    that is as accurate as float32 arithmetic: v5 for 16-bit inputs, v6
-    at 3xTF32 for float32 head dims it runs on a GPU, else v3)."""
+    """The forward version for inputs of `dtype` on this device (None:
+    the fastest one that is as accurate as float32 arithmetic,
+    `registry.best_version`; it returns None for 16-bit inputs that the
+    device has no kernel for, which the caller widens to float32)."""
     from numba import config
 
+    simulator = config.ENABLE_CUDASIM
     if version is None:
-        if dtype in HALF_BITS:
-            return HALF_VERSIONS[0]
-        tensor_ok = (d in forward_v6.HEAD_DIMS and d_v in forward_v6.HEAD_DIMS
-                     and not config.ENABLE_CUDASIM)
-        return 6 if tensor_ok else DEFAULT_VERSION
+        if simulator and dtype in HALF_BITS:
+            return HALF_VERSIONS[0]  # refused with its reason later
+        cc = None if simulator else launch.device_cc()
+        return registry.best_version(dtype, d, d_v, cc, simulator)
     if isinstance(version, bool) or version not in FORWARDS:
         raise ValueError(f"version: expected one of {VERSIONS} or None, "
                          f"got {version!r}")
@@ -368,7 +402,30 @@ def _check_version(version, dtype, d, d_v):
         raise ValueError(
             f"version: v{version} does not take {dtype} inputs; versions "
             f"{takes} do (or pass None)")
+    if not simulator:
+        cc = launch.device_cc()
+        need = min(k.min_cc for k in registry.forwards(version))
+        if cc < need:
+            raise ValueError(
+                f"version: v{version} needs compute capability "
+                f"{need[0]}.{need[1]} or newer; this GPU is "
+                f"{cc[0]}.{cc[1]} (pass None for the best it runs)")
     return version
+
+
+def _widened(fn, arrays, dtype, with_lse, **options):
+    """fn on float32 copies of 16-bit arrays, the output back in dtype
+    (lse stays float32): for GPUs without 16-bit tensor-core kernels."""
+    if type(arrays[0]).__module__.startswith("torch"):
+        wide = [x.float() for x in arrays]
+        out = fn(*wide, **options)
+        o = out[0] if with_lse else out
+        o = o.to(arrays[0].dtype)
+    else:
+        wide = [x.astype(np.float32) for x in arrays]
+        out = fn(*wide, **options)
+        o = (out[0] if with_lse else out).astype(np.float16)
+    return (o, out[1]) if with_lse else o
 
 
 def _forward_name(version, dtype, precision, d, d_v):
@@ -452,13 +509,7 @@ class _Call:
         self.torch = type(q).__module__.startswith("torch")
         self.numpy = isinstance(q, np.ndarray)
         self.device = q.device if self.torch else None
-        self.stream = 0
-        if self.torch:  # launch on torch's stream: ordered, no syncs
-            import torch
-            from numba import cuda
-
-            self.stream = cuda.external_stream(
-                torch.cuda.current_stream(q.device).cuda_stream)
+        self.stream = _stream(q) if self.torch else 0
         default_lengths = options["kv_lengths"] is None
         self.args = (a.rules, _on_device(a.kv_len, default_lengths),
                      _on_device(a.mask.astype(np.uint8), not
@@ -478,7 +529,7 @@ class _Call:
                 x = x.view(torch.int16)
                 if x.data_ptr() % 16:  # an offset view: copy it aligned
                     x = x.clone()
-            return cuda.as_cuda_array(x, sync=False)
+            return _device_view(x)
         if self.numpy:
             x = np.ascontiguousarray(x).reshape(shape)
             return cuda.to_device(x.view(np.int16) if half else x)
@@ -500,7 +551,7 @@ class _Call:
             if POISON_OUTPUTS:
                 out.fill_(float("nan"))
             view = out.view(torch.int16) if half else out
-            return out, cuda.as_cuda_array(view, sync=False)
+            return out, _device_view(view)
         kind = np.int16 if half else np.float32
         if POISON_OUTPUTS:
             fill = np.int16(nan_bits) if half else np.float32(np.nan)
@@ -516,8 +567,8 @@ class _Call:
         if self.torch:
             import torch
 
-            return cuda.as_cuda_array(torch.zeros(
-                shape, dtype=torch.bool, device=self.device), sync=False)
+            return _device_view(torch.zeros(
+                shape, dtype=torch.bool, device=self.device))
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
@@ -530,11 +581,12 @@ class _Call:
         if not nk:
             return self.per_query_head(bad)
         if dtype in HALF_BITS:
-            warp.find_bad_columns16[grid, device.THREADS, self.stream](
-                v_k, bad, HALF_BITS[dtype][0])
+            kernel("find_bad_columns16", 0, 0)[
+                grid, device.THREADS, self.stream](v_k, bad,
+                                                   HALF_BITS[dtype][0])
         else:
-            device.find_bad_columns[grid, device.THREADS, self.stream](
-                v_k, bad)
+            kernel("find_bad_columns", 0, 0)[
+                grid, device.THREADS, self.stream](v_k, bad)
         return self.per_query_head(bad)
 
     def per_query_head(self, bad):
@@ -547,7 +599,7 @@ class _Call:
         if self.torch:
             import torch
 
-            return cuda.as_cuda_array(torch.as_tensor(
+            return _device_view(torch.as_tensor(
                 bad, device=self.device).repeat_interleave(self.group, 0))
         return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
 
@@ -573,9 +625,9 @@ class _Call:
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty
             empty_k = cuda.to_device(np.ascontiguousarray(empty))
-        device.finish_rows[(math.ceil(self.nq / device.THREADS), self.bh),
-                           device.THREADS, self.stream](o_k, lse_k, bad,
-                                                        empty_k)
+        kernel("finish_rows", 0, 0)[
+            (math.ceil(self.nq / device.THREADS), self.bh), device.THREADS,
+            self.stream](o_k, lse_k, bad, empty_k)
 
     def result(self, out, shape):
         """The output in the caller's kind, with the caller's shape."""
@@ -609,3 +661,150 @@ def _on_device(x, constant):
     if key not in _constants:
         _constants[key] = cuda.to_device(x)
     return _constants[key]
+
+
+def _device_view(tensor):
+    """A torch CUDA tensor as a kernel argument: itself for the driver's
+    launch path, a numba device array for numba's own launches."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return cuda.as_cuda_array(tensor, sync=False)
+    return tensor
+
+
+def _stream(tensor):
+    """torch's current stream on tensor's device, as the kernels take it:
+    a raw CUstream for the driver, a numba stream on the simulator."""
+    import torch
+    from numba import config, cuda
+
+    raw = torch.cuda.current_stream(tensor.device).cuda_stream
+    return cuda.external_stream(raw) if config.ENABLE_CUDASIM else raw
+
+
+# One plan per (shapes, dtype, options) of a torch call: see _ForwardPlan
+_plans = {}
+
+
+def _fast_key(q, k, v, version, dtype, precision, num_splits, options):
+    """The plan key of a call the cached path can run, else None.
+
+    It runs the tensor-core forwards on contiguous, 16-byte aligned
+    torch CUDA tensors with no mask or padding arrays (their values
+    would be part of the key) and no split-KV; everything else takes the
+    general path below, which validates every call from scratch.
+    """
+    from numba import config
+
+    if (config.ENABLE_CUDASIM or version not in TENSOR_CORE_VERSIONS
+            or num_splits != 1 or options["mask"] is not None
+            or options["kv_lengths"] is not None
+            or not type(q).__module__.startswith("torch")):
+        return None
+    for x in (q, k, v):
+        if (not x.is_contiguous() or x.data_ptr() % 16 or not x.numel()
+                or x.device != q.device):
+            return None
+    window = options["window"]
+    try:
+        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), dtype,
+               q.device.index, version, precision,
+               None if window is None else tuple(window),
+               *(options[n] for n in ("block_q", "block_k", "scale",
+                                      "causal", "dropout_p", "align")))
+        hash(key)
+    except TypeError:  # an unhashable option: validated the long way
+        return None
+    return key
+
+
+class _ForwardPlan:
+    """A tensor-core forward of one (shapes, dtype, options), prepared.
+
+    The first call validates everything (`_Call`) and packs both
+    launches' parameters (launch.Packed); a call then allocates o, lse
+    and the bad-column flags, writes their and q, k, v's data pointers
+    (and the dropout seed) into the packed buffers and launches: no
+    numba dispatch, no host-device copy, no synchronization, so CUDA
+    graphs capture it.
+    """
+
+    def __init__(self, q, k, v, version, dtype, precision, options,
+                 block_q, block_k):
+        import torch
+
+        d, d_v = q.shape[-1], v.shape[-1]
+        name = _forward_name(version, dtype, precision, d, d_v)
+        br, bc, self.threads = FORWARDS[version].shape(d, d_v)
+        _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
+        call = _Call(q, k, v, options)
+        self.half = dtype in HALF_BITS
+        self.o_shape = (*call.heads, call.nq, d_v)
+        self.lse_shape = (*call.heads, call.nq)
+        self.bad_shape = (call.bh_kv, d_v)
+        self.group = call.group
+        self.grid = (math.ceil(call.nq / br), call.bh)
+        self.find_grid = (math.ceil(call.nk * d_v / device.THREADS),
+                          call.bh_kv)
+        self.rules, self.constants = call.args[0], call.args[1:]
+        o, lse, bad = self._outputs(q)
+        v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
+        if self.half:
+            self.find = kernel("find_bad_columns16", 0, 0).pack(
+                v3, bad, HALF_BITS[dtype][0])
+        else:
+            self.find = kernel("find_bad_columns", 0, 0).pack(v3, bad)
+        o3 = o.view(call.bh, call.nq, d_v)
+        if self.half:
+            o3 = o3.view(torch.int32)  # 16-bit pairs
+        self.main = kernel(name, d, d_v).pack(
+            self._bits(q).view(call.bh, call.nq, d),
+            self._bits(k).view(call.bh_kv, call.nk, d), v3, o3,
+            lse.view(call.bh, call.nq), self._per_query_head(bad),
+            *call.args)
+
+    def _bits(self, x):
+        """x as the kernels read it: 16-bit values as int16 bits."""
+        import torch
+
+        return x.view(torch.int16) if self.half else x
+
+    def _outputs(self, q):
+        """Fresh o, lse and all-False bad-column flags on q's device."""
+        import torch
+
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32,
+                          device=q.device)
+        if POISON_OUTPUTS:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        bad = torch.zeros(self.bad_shape, dtype=torch.bool,
+                          device=q.device)
+        return o, lse, bad
+
+    def _per_query_head(self, bad):
+        """(BH_kv, d_v) flags as (BH, d_v), copied only for grouped
+        heads."""
+        return bad if self.group == 1 else bad.repeat_interleave(
+            self.group, 0)
+
+    def __call__(self, q, k, v, seed):
+        o, lse, bad = self._outputs(q)
+        stream = _stream(q)
+        self.find.point(0, v.data_ptr())
+        self.find.point(1, bad.data_ptr())
+        self.find.launch(self.find_grid, device.THREADS, stream)
+        main = self.main
+        for arg, x in enumerate((q, k, v, o, lse,
+                                 self._per_query_head(bad))):
+            main.point(arg, x.data_ptr())
+        if self.rules.use_dropout:
+            if isinstance(seed, bool) or not isinstance(seed, int) or \
+                    not 0 <= seed < 2**64:
+                raise ValueError(f"seed: expected an integer in [0, "
+                                 f"2**64) when dropout_p > 0, got {seed!r}")
+            main.put(6, self.rules._fields.index("seed"), "Q", seed)
+        main.launch(self.grid, self.threads, stream)
+        return o, lse

@@ -1,107 +1,65 @@
-"""Which kernels exist, how they are compiled, and their PTX without a GPU.
+"""How kernels are built, compiled and loaded, and their PTX without a GPU.
 
-Each kernel comes from a factory `make(D, D_V)` that fixes the head dims
-as compile-time constants (so local arrays unroll into registers); built
-kernels are cached per (name, D, D_V). `compile_ptx` compiles any of them
-for a compute capability on a machine with no GPU. See chapter 9.
+Each kernel comes from a factory `make(D, D_V)` (flashlab.gpu.registry)
+that fixes the head dims as compile-time constants, so local arrays
+unroll into registers. On a GPU, `kernel` compiles it to PTX for the
+device's own architecture and loads it through the driver
+(flashlab.gpu.launch); on numba's simulator it is numba's dispatcher.
+`compile_ptx` compiles any kernel for any compute capability on a
+machine with no GPU. See chapters 9 and 10.
 """
 
 import contextlib
-import functools
 
-from flashlab.gpu import (
-    _numpy_compat,  # noqa: F401  (before compiling)
-    backward,
-    backward_v5,
-    forward_v1,
-    forward_v2,
-    forward_v3,
-    forward_v4,
-    forward_v5,
-    forward_v6,
-)
+from flashlab.gpu import launch, registry
 
-FACTORIES = {
-    "forward_v1": forward_v1.make,
-    "forward_v2": forward_v2.make,
-    "forward_v3": forward_v3.make,
-    "forward_v4": forward_v4.make,
-    "forward_v5_bf16": functools.partial(forward_v5.make, kind="bf16"),
-    "forward_v5_f16": functools.partial(forward_v5.make, kind="f16"),
-    "forward_v6_3xtf32": functools.partial(forward_v6.make,
-                                           precision="3xtf32"),
-    "forward_v6_tf32": functools.partial(forward_v6.make,
-                                         precision="tf32"),
-    "backward_kv": backward.make_kv,
-    "backward_q": backward.make_q,
-    "backward_kv_blocked": backward.make_kv_blocked,
-    "backward_q_blocked": backward.make_q_blocked,
-    "backward_v5_dq_bf16": functools.partial(backward_v5.make_dq,
-                                             kind="bf16"),
-    "backward_v5_dq_f16": functools.partial(backward_v5.make_dq, kind="f16"),
-    "backward_v5_dkv_bf16": functools.partial(backward_v5.make_dkv,
-                                              kind="bf16"),
-    "backward_v5_dkv_f16": functools.partial(backward_v5.make_dkv,
-                                             kind="f16"),
-}
+# name -> factory, for readers of the kernels (registry holds the facts)
+FACTORIES = {k.name: k.make for k in registry.KERNELS}
 _cache = {}
 
 
 def kernel(name, d, d_v):
-    """The compiled kernel `name` for head dims d, d_v (built once)."""
+    """Kernel `name` for head dims d, d_v, ready to launch (built once):
+    k[grid, block, stream](*args) on a GPU or the simulator alike."""
     key = (name, d, d_v)
     if key not in _cache:
-        _cache[key] = FACTORIES[name](d, d_v)
+        from numba import config
+
+        if config.ENABLE_CUDASIM:
+            _cache[key] = registry.get(name).make(d, d_v)
+        else:
+            _cache[key] = load(name, d, d_v)
     return _cache[key]
 
 
+def load(name, d, d_v, cc=None):
+    """Kernel `name` compiled for the current device (or cc) and loaded
+    by the driver: a launch.DriverKernel."""
+    cc = launch.target(cc or launch.device_cc())
+    spec = registry.get(name)
+    if not spec.runs_on(cc):
+        raise ValueError(
+            f"name: {name} needs compute capability {spec.min_cc} or "
+            f"newer; this device has {cc[:2]}")
+    ptx = launch.cached_ptx(name, d, d_v, cc,
+                            lambda: compile_ptx(name, d, d_v, cc))
+    return launch.load(ptx, name, signature(name))
+
+
 def kernel_names():
-    """Every kernel flashlab.gpu can launch."""
-    return tuple(FACTORIES)
+    """Every attention kernel flashlab.gpu can launch (not the helpers)."""
+    return tuple(k.name for k in registry.KERNELS if not k.helper)
 
 
 def supports(name, d, d_v):
     """Whether kernel `name` is built for head dims d, d_v."""
-    if name.startswith(("forward_v5", "forward_v6")):
-        return d in forward_v5.HEAD_DIMS and d_v in forward_v5.HEAD_DIMS
-    if name.startswith("backward_v5"):
-        return d in backward_v5.HEAD_DIMS and d_v in backward_v5.HEAD_DIMS
-    return (not name.endswith("_blocked")
-            or max(d, d_v) <= backward.BLOCKED_MAX_DIM)
+    return registry.get(name).takes(d, d_v)
 
 
 def signature(name):
-    """Argument types of a kernel, for compiling without a GPU."""
-    from numba import (
-        boolean,
-        float32,
-        int16,
-        int32,
-        int64,
-        typeof,
-        uint8,
-        uint64,
-    )
-
-    from flashlab.kernel_args import KernelRules
-
-    a3 = float32[:, :, ::1]
-    a2 = float32[:, ::1]
-    f = float32(0)
-    rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
-                               uint64(0), False, f, f, 1))
-    arrays = {
-        "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3),
-        "backward_q": (a3, a3, a3, a3, a2, a2, a3),
-    }.get(name.removesuffix("_blocked"), (a3, a3, a3, a3, a2))
-    if name.startswith("forward_v5"):  # 16-bit bits in, pairs out
-        arrays = (*(int16[:, :, ::1],) * 3, int32[:, :, ::1], a2)
-    if name.startswith(("forward_v5", "forward_v6")):  # + bad columns
-        arrays = (*arrays, boolean[:, ::1])
-    if name.startswith("backward_v5"):  # 16-bit q, k, v, dO in
-        grads = (a3,) if "_dq_" in name else (a3, a3)
-        arrays = (*(int16[:, :, ::1],) * 4, a2, a2, *grads)
-    return (*arrays, rules, int64[::1], uint8[:, :, ::1])
+    """Argument types of a kernel (numba types), for compiling and for
+    packing its launches."""
+    return registry.argument_types(registry.get(name).args)
 
 
 @contextlib.contextmanager
@@ -118,7 +76,7 @@ def compiling_without_gpu(cc):
 
     real = dispatcher.get_current_device
     dispatcher.get_current_device = lambda: SimpleNamespace(
-        compute_capability=cc)
+        compute_capability=tuple(cc)[:2])
     try:
         yield
     finally:
@@ -126,10 +84,14 @@ def compiling_without_gpu(cc):
 
 
 def compile_ptx(name, d, d_v, cc=(9, 0)):
-    """PTX of kernel `name` for head dims d, d_v; needs no GPU."""
+    """PTX of kernel `name` for head dims d, d_v and target cc (a
+    compute capability, or (9, 0, "a") for Hopper's own instructions),
+    with the kernel's register cap; needs no GPU."""
     from numba import cuda
 
-    built = FACTORIES[name](d, d_v)
+    spec = registry.get(name)
+    built = spec.make(d, d_v)
     with compiling_without_gpu(cc):
-        ptx, _ = cuda.compile_ptx(built.py_func, signature(name), cc=cc)
-    return ptx
+        ptx, _ = cuda.compile_ptx(built.py_func, signature(name),
+                                  cc=tuple(cc))
+    return launch.with_max_registers(ptx, spec.max_registers)

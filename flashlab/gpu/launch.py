@@ -1,0 +1,385 @@
+"""flashlab's own launch path: numba compiles, the CUDA driver launches.
+
+numba's dispatcher types every argument of every launch and wraps each
+torch tensor in a device array: 44-94 us of host time per launch on the
+H200, more than a whole attention call of torch's. Here numba only turns
+a kernel into PTX, for the device's exact architecture (sm_90a on
+Hopper, so that wgmma, setmaxnreg and TMA assemble); the driver loads it
+(`cuModuleLoadData`) and `cuLaunchKernel` starts it on torch's current
+stream, from one packed parameter buffer. Three things make a call
+cheap:
+
+- `Layout`: numba's kernel ABI worked out once per signature. An array
+  argument is (meminfo, parent, nitems, itemsize, data, shape...,
+  strides...), a record is its fields in order, scalars keep their
+  widths; `ptx_params` reads the same list back from the PTX, and the
+  tests check one against the other for every kernel.
+- `Packed`: a call's parameter buffer, built once for (kernel, shapes,
+  strides, dtypes, rules); a later call of the same shape only writes
+  its data pointers (and its dropout seed) into it.
+- a disk cache of PTX keyed by the kernel, head dims, architecture, the
+  sources it is compiled from and the toolchain's versions, so a new
+  process loads modules without compiling (the driver caches the
+  assembled cubin of that PTX itself).
+
+The simulator has no driver: there, `kernel` hands back numba's own
+dispatcher, launched the same way (`k[grid, block, stream](*args)`).
+See chapter 10.
+"""
+
+import ctypes
+import hashlib
+import os
+import re
+import struct
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+# struct codes of numba's scalar parameters, by (kind, bytes)
+_INT_CODES = {(True, 1): "b", (True, 2): "h", (True, 4): "i",
+              (True, 8): "q", (False, 1): "B", (False, 2): "H",
+              (False, 4): "I", (False, 8): "Q"}
+_FLOAT_CODES = {4: "f", 8: "d"}
+# PTX parameter type -> (float?, bytes)
+_PTX_KINDS = {"u8": (False, 1), "s8": (False, 1), "b8": (False, 1),
+              "u16": (False, 2), "s16": (False, 2), "b16": (False, 2),
+              "u32": (False, 4), "s32": (False, 4), "b32": (False, 4),
+              "u64": (False, 8), "s64": (False, 8), "b64": (False, 8),
+              "f32": (True, 4), "f64": (True, 8)}
+ARRAY_FIELDS = 5  # meminfo, parent, nitems, itemsize, data; then dims
+DATA_FIELD = 4  # where an array's data pointer sits among its fields
+
+
+def param_codes(argtypes):
+    """struct codes of a kernel's parameters in numba's ABI, flattened:
+    per argument a tuple of codes (an array's fields, a record's)."""
+    from numba import types
+
+    def flat(ty):
+        if isinstance(ty, types.Array):
+            return ("Q", "Q", "q", "q", "Q") + ("q",) * (2 * ty.ndim)
+        if isinstance(ty, types.BaseTuple):
+            return tuple(c for member in ty.types for c in flat(member))
+        if isinstance(ty, types.Boolean):
+            return ("B",)
+        if isinstance(ty, types.Integer):
+            return (_INT_CODES[(ty.signed, ty.bitwidth // 8)],)
+        if isinstance(ty, types.Float):
+            return (_FLOAT_CODES[ty.bitwidth // 8],)
+        raise TypeError(f"argtypes: no launch ABI for {ty}")
+
+    return tuple(flat(ty) for ty in argtypes)
+
+
+def ptx_params(ptx):
+    """[(float?, bytes)] of the first kernel entry's parameters in PTX."""
+    head = re.search(r"\.entry\s+\S+\s*\((.*?)\)", ptx, re.S)
+    if head is None:
+        raise ValueError("ptx: expected a .entry (a kernel), found none")
+    kinds = re.findall(r"\.param\s+\.(\w+)", head.group(1))
+    return [_PTX_KINDS[k] for k in kinds]
+
+
+def code_kinds(codes):
+    """[(float?, bytes)] of flattened struct codes, to compare with PTX."""
+    return [(c in "fd", struct.calcsize(c)) for arg in codes for c in arg]
+
+
+def entry_name(ptx):
+    """The mangled name of the first kernel entry in PTX."""
+    return re.search(r"\.entry\s+(\S+?)\s*\(", ptx).group(1)
+
+
+class Layout(NamedTuple):
+    """Where every flattened parameter sits in the packed buffer."""
+
+    codes: tuple  # per argument, its struct codes
+    fmt: struct.Struct  # the whole buffer, padding included
+    starts: tuple  # per argument, the index of its first value
+    offsets: tuple  # per flattened value, its byte offset
+
+    @classmethod
+    def of(cls, argtypes):
+        """The layout of a kernel taking `argtypes` (numba types)."""
+        codes = param_codes(argtypes)
+        fmt, offsets, starts, at = "<", [], [], 0
+        for arg in codes:
+            starts.append(len(offsets))
+            for c in arg:
+                size = struct.calcsize(c)
+                pad = -at % size  # each parameter at its natural alignment
+                fmt += "x" * pad + c
+                at += pad
+                offsets.append(at)
+                at += size
+        fmt += "x" * (-at % 8)
+        return cls(codes, struct.Struct(fmt), tuple(starts), tuple(offsets))
+
+    def offset(self, arg, field=0):
+        """Byte offset of value `field` of argument `arg`."""
+        return self.offsets[self.starts[arg] + field]
+
+
+def array_values(x, ty, name):
+    """numba's ABI values of device array x for array type ty, checked."""
+    if hasattr(x, "data_ptr"):  # a torch tensor: no interface dict needed
+        shape, itemsize = tuple(x.shape), x.element_size()
+        strides = tuple(s * itemsize for s in x.stride())
+        dtype, ptr = str(x.dtype).removeprefix("torch."), x.data_ptr()
+        on_cuda = x.is_cuda
+    else:
+        face = getattr(x, "__cuda_array_interface__", None)
+        if face is None:
+            raise TypeError(f"{name}: expected a CUDA array (torch tensor "
+                            f"or numba device array), got "
+                            f"{type(x).__name__}")
+        np_dtype = np.dtype(face["typestr"])
+        shape, itemsize = tuple(face["shape"]), np_dtype.itemsize
+        strides = face.get("strides") or _c_strides(shape, itemsize)
+        dtype, ptr, on_cuda = np_dtype.name, face["data"][0], True
+    want = str(ty.dtype).replace("bool", "bool")
+    if not on_cuda:
+        raise ValueError(f"{name}: expected a CUDA array, got one on the "
+                         f"host")
+    if (dtype != want and not (want == "boolean" and dtype == "bool")) \
+            or len(shape) != ty.ndim:
+        raise TypeError(f"{name}: expected {ty.ndim}-d {want}, got "
+                        f"{len(shape)}-d {dtype}")
+    if ty.layout == "C" and strides != _c_strides(shape, itemsize) \
+            and int(np.prod(shape)):
+        raise ValueError(f"{name}: expected a C-contiguous array, got "
+                         f"strides {strides} for shape {shape}")
+    return (0, 0, int(np.prod(shape)), itemsize, ptr, *shape, *strides)
+
+
+def _c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array of `shape`."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def flat_values(argtypes, args):
+    """The flattened parameter values of one launch, checked."""
+    from numba import types
+
+    def flat(ty, x, name):
+        if isinstance(ty, types.Array):
+            return array_values(x, ty, name)
+        if isinstance(ty, types.BaseTuple):
+            return tuple(v for i, (t, m) in enumerate(zip(ty.types, x))
+                         for v in flat(t, m, f"{name}[{i}]"))
+        if isinstance(ty, types.Boolean):
+            return (int(bool(x)),)
+        if isinstance(ty, types.Integer):
+            return (int(x),)
+        return (float(x),)
+
+    if len(args) != len(argtypes):
+        raise TypeError(f"args: expected {len(argtypes)} kernel arguments,"
+                        f" got {len(args)}")
+    return tuple(v for i, (ty, x) in enumerate(zip(argtypes, args))
+                 for v in flat(ty, x, f"argument {i}"))
+
+
+class Packed:
+    """One launch's parameters packed once; later calls of the same shape
+    change only data pointers (`point`) and scalars (`put`)."""
+
+    def __init__(self, kernel, args):
+        self.kernel = kernel
+        layout = kernel.layout
+        self.buffer = ctypes.create_string_buffer(layout.fmt.size)
+        layout.fmt.pack_into(self.buffer, 0,
+                             *flat_values(kernel.argtypes, args))
+        self._size = ctypes.c_size_t(layout.fmt.size)
+        # CU_LAUNCH_PARAM_BUFFER_POINTER, buffer, _BUFFER_SIZE, size, END
+        self.extra = (ctypes.c_void_p * 5)(
+            1, ctypes.addressof(self.buffer), 2,
+            ctypes.addressof(self._size), 0)
+
+    def point(self, arg, ptr):
+        """Set the data pointer of array argument `arg`."""
+        struct.pack_into("<Q", self.buffer,
+                         self.kernel.layout.offset(arg, DATA_FIELD), ptr)
+
+    def put(self, arg, field, code, value):
+        """Set value `field` (struct code `code`) of argument `arg`."""
+        struct.pack_into("<" + code, self.buffer,
+                         self.kernel.layout.offset(arg, field), value)
+
+    def launch(self, grid, block, stream, shared=0):
+        """cuLaunchKernel on `stream` (a CUstream handle as an int)."""
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = ((block,) if isinstance(block, int) else
+                      tuple(block)) + (1, 1)
+        err = _cuda().cuLaunchKernel(
+            self.kernel.handle, gx, gy, gz, bx, by, bz, shared, stream,
+            None, self.extra)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel of {self.kernel.name}: "
+                               f"CUresult {err}")
+
+
+class DriverKernel:
+    """A kernel loaded through the driver, launched like numba's:
+    k[grid, block, stream](*args), or through a reused `Packed`."""
+
+    def __init__(self, name, handle, argtypes, module):
+        self.name, self.handle, self.module = name, handle, module
+        self.argtypes = tuple(argtypes)
+        self.layout = Layout.of(argtypes)
+
+    def pack(self, *args):
+        """A `Packed` buffer for these arguments."""
+        return Packed(self, args)
+
+    def __getitem__(self, config):
+        grid, block, stream = (tuple(config) + (0,))[:3]
+        handle = stream_handle(stream)
+
+        def run(*args):
+            self.pack(*args).launch(
+                grid if isinstance(grid, tuple) else (grid,), block,
+                handle)
+
+        return run
+
+
+def stream_handle(stream):
+    """The CUstream of a numba stream, a torch stream, or an int."""
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "handle"):
+        value = getattr(stream, attribute, None)
+        if value is not None:
+            return int(getattr(value, "value", value) or 0)
+    return 0
+
+
+_libcuda = None
+
+
+def _cuda():
+    """libcuda through ctypes: the hot call pays no wrapper's costs."""
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuLaunchKernel.restype = ctypes.c_int
+        lib.cuLaunchKernel.argtypes = (
+            ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p)
+        _libcuda = lib
+    return _libcuda
+
+
+def target(cc):
+    """The compile target for compute capability cc: Hopper (9, 0) gets
+    the architecture-specific (9, 0, "a"), whose PTX may hold wgmma and
+    setmaxnreg; any other cc is itself."""
+    cc = tuple(cc)
+    return (9, 0, "a") if cc[:2] == (9, 0) else cc[:2]
+
+
+def arch_name(cc):
+    """sm_90a, sm_80, ... for a compile target."""
+    return "sm_" + "".join(str(c) for c in cc)
+
+
+_SOURCES = ("gpu", "merge.py", "masks.py", "dropout.py", "nonfinite.py",
+            "fragments.py", "kernel_args.py")
+
+
+def source_hash():
+    """Hash of every source a kernel is compiled from (flashlab.gpu and
+    the modules whose functions it compiles) and of the toolchain."""
+    import llvmlite
+    import numba
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for part in _SOURCES:
+        path = root / part
+        for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            digest.update(f.name.encode() + f.read_bytes())
+    versions = [numba.__version__, llvmlite.__version__,
+                _version("numba-cuda"), _version("cuda-bindings")]
+    digest.update(" ".join(versions).encode())
+    return digest.hexdigest()[:16]
+
+
+def _version(dist):
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def cache_dir():
+    """Where compiled PTX is kept: $FLASHLAB_CACHE_DIR, else
+    ~/.cache/flashlab/kernels."""
+    base = os.environ.get("FLASHLAB_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path.home() / ".cache" / "flashlab" / "kernels"
+
+
+def with_max_registers(ptx, count):
+    """PTX whose kernel entry carries `.maxnreg count` (numba's
+    max_registers, which a driver load of PTX would otherwise lose)."""
+    if count is None:
+        return ptx
+    return re.sub(r"(\.entry\s+\S+\s*\(.*?\))", rf"\1\n.maxnreg {count}",
+                  ptx, count=1, flags=re.S)
+
+
+def cached_ptx(name, d, d_v, cc, compile_fn):
+    """PTX of (name, d, d_v) for target cc from the disk cache, compiled
+    by compile_fn() and stored on a miss."""
+    key = f"{name}-{d}-{d_v}-{arch_name(cc)}-{source_hash()}.ptx"
+    path = cache_dir() / key
+    if path.exists():
+        return path.read_text()
+    ptx = compile_fn()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(ptx)
+        tmp.replace(path)  # atomic: concurrent processes never see half
+    except OSError:
+        pass  # a read-only home only costs the next process a compile
+    return ptx
+
+
+def load(ptx, name, argtypes):
+    """A DriverKernel from PTX text (loaded into the current context)."""
+    from cuda.bindings import driver
+
+    _ensure_context()
+    err, module = driver.cuModuleLoadData(ptx.encode() + b"\0")
+    if int(err):
+        raise RuntimeError(f"cuModuleLoadData of {name}: {err}")
+    err, fn = driver.cuModuleGetFunction(module, entry_name(ptx).encode())
+    if int(err):
+        raise RuntimeError(f"cuModuleGetFunction of {name}: {err}")
+    return DriverKernel(name, int(fn), argtypes, module)
+
+
+def _ensure_context():
+    """Make the primary context current (torch's, numba's: the same)."""
+    from numba import cuda
+
+    cuda.current_context()
+
+
+def device_cc():
+    """Compute capability of the current device."""
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability)

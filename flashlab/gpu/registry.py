@@ -1,0 +1,196 @@
+"""Every kernel flashlab.gpu launches, described once.
+
+A `Kernel` says what a kernel is: its factory, what it takes, the head
+dims and compute capabilities it runs on, its threads and register cap.
+Version choice, `supports`, signatures, the launch path, the ptxas table
+of the tests and the benchmarks read these records; nothing else matches
+kernel names. `ARCHITECTURES` is the table of GPUs the course names, and
+`best_version` picks the forward a device runs. See chapters 9 and 10.
+"""
+
+import functools
+from typing import Callable, NamedTuple
+
+from flashlab.gpu import (
+    _numpy_compat,  # noqa: F401  (before compiling)
+    backward,
+    backward_v5,
+    device,
+    forward_v1,
+    forward_v2,
+    forward_v3,
+    forward_v4,
+    forward_v5,
+    forward_v6,
+    warp,
+)
+
+SCALAR_DIMS = tuple(range(16, 129, 16))  # head dims of the float32 kernels
+TENSOR_DIMS = (64, 128)  # of the tensor-core kernels (swizzled rows)
+# (compute capability, a GPU of it, what a hosted runtime calls it)
+ARCHITECTURES = (((7, 5), "T4"), ((8, 0), "A100"), ((8, 6), "RTX 3090"),
+                 ((8, 9), "L4"), ((9, 0), "H100 / H200"))
+MMA_CC = (8, 0)  # mma.sync m16n8k16 bf16/f16, m16n8k8 tf32, cp.async
+
+
+class Kernel(NamedTuple):
+    """What one kernel is; `make(D, D_V)` builds it (numba, not compiled
+    until launched or compiled to PTX)."""
+
+    name: str
+    make: Callable
+    args: str  # key of its argument list in `argument_types`
+    dtypes: tuple  # input dtypes it takes
+    head_dims: tuple  # values d and d_v may take
+    min_cc: tuple  # the oldest compute capability that runs it
+    threads: int  # per block
+    max_registers: int = None  # numba's cap, kept by the driver load
+    version: int = None  # forward version number, for forwards
+    max_dim: int = 128  # max(d, d_v) it is built for
+    helper: bool = False  # an element-wise step around the attention
+
+    def runs_on(self, cc):
+        """Whether a device of compute capability cc runs this kernel."""
+        return tuple(cc)[:2] >= self.min_cc
+
+    def takes(self, d, d_v):
+        """Whether it is built for head dims d, d_v."""
+        return (d in self.head_dims and d_v in self.head_dims
+                and max(d, d_v) <= self.max_dim)
+
+
+def _fixed(kernel):
+    """A factory for a kernel that does not depend on the head dims."""
+    return lambda d, d_v: kernel
+
+
+_F32 = ("float32",)
+_HALF = ("bfloat16", "float16")
+_BASE = dict(head_dims=SCALAR_DIMS, min_cc=(7, 5))
+_HELPER = dict(_BASE, threads=device.THREADS, helper=True)
+KERNELS = (
+    Kernel("forward_v1", forward_v1.make, "forward", _F32,
+           threads=device.THREADS, version=1, **_BASE),
+    Kernel("forward_v2", forward_v2.make, "forward", _F32,
+           threads=device.THREADS, version=2, **_BASE),
+    Kernel("forward_v3", forward_v3.make, "forward", _F32,
+           threads=device.THREADS, version=3,
+           max_registers=forward_v3.MAX_REGISTERS, **_BASE),
+    Kernel("forward_v4", forward_v4.make, "forward", _F32,
+           threads=device.THREADS, version=4, **_BASE),
+    *(Kernel(f"forward_v5_{kind}",
+             functools.partial(forward_v5.make, kind=kind), "forward16",
+             (dtype,), TENSOR_DIMS, MMA_CC, warp.THREADS, version=5)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    *(Kernel(f"forward_v6_{precision}",
+             functools.partial(forward_v6.make, precision=precision),
+             "forward_bad", _F32, TENSOR_DIMS, MMA_CC, warp.THREADS,
+             version=6)
+      for precision in forward_v6.PRECISIONS),
+    Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
+           threads=device.THREADS, **_BASE),
+    Kernel("backward_q", backward.make_q, "backward_q", _F32,
+           threads=device.THREADS, **_BASE),
+    Kernel("backward_kv_blocked", backward.make_kv_blocked, "backward_kv",
+           _F32, threads=device.THREADS, max_dim=backward.BLOCKED_MAX_DIM,
+           **_BASE),
+    Kernel("backward_q_blocked", backward.make_q_blocked, "backward_q",
+           _F32, threads=device.THREADS, max_dim=backward.BLOCKED_MAX_DIM,
+           **_BASE),
+    *(Kernel(f"backward_v5_{part}_{kind}",
+             functools.partial(make, kind=kind), f"backward16_{part}",
+             (dtype,), TENSOR_DIMS, MMA_CC, warp.THREADS)
+      for part, make in (("dq", backward_v5.make_dq),
+                         ("dkv", backward_v5.make_dkv))
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # element-wise helpers around the attention kernels
+    Kernel("combine_splits", _fixed(device.combine_splits), "combine",
+           _F32, **_HELPER),
+    Kernel("row_dot", _fixed(device.row_dot), "row_dot", _F32, **_HELPER),
+    Kernel("find_bad_columns", _fixed(device.find_bad_columns),
+           "find_bad", _F32, **_HELPER),
+    Kernel("find_bad_columns16", _fixed(warp.find_bad_columns16),
+           "find_bad16", _HALF, **_HELPER),
+    Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
+           **_HELPER),
+)
+BY_NAME = {k.name: k for k in KERNELS}
+
+
+def get(name):
+    """The description of kernel `name`."""
+    if name not in BY_NAME:
+        raise ValueError(f"name: expected one of {tuple(BY_NAME)}, got "
+                         f"{name!r}")
+    return BY_NAME[name]
+
+
+def forwards(version):
+    """The forward kernels of one version (one per dtype or precision)."""
+    return tuple(k for k in KERNELS if k.version == version)
+
+
+def versions():
+    """Every forward version, in order."""
+    return tuple(sorted({k.version for k in KERNELS if k.version}))
+
+
+def versions_for(dtype, d, d_v, cc=None):
+    """Forward versions that take `dtype` at head dims d, d_v and run on
+    compute capability cc (any, when cc is None)."""
+    return tuple(v for v in versions() if any(
+        dtype in k.dtypes and k.takes(d, d_v)
+        and (cc is None or k.runs_on(cc)) for k in forwards(v)))
+
+
+def best_version(dtype, d, d_v, cc, simulator=False):
+    """The forward `version=None` runs: the fastest one as accurate as
+    float32 arithmetic that the device runs. 16-bit inputs: v5 from
+    compute capability 8.0 on; float32: v6 (3xTF32) there, else v3.
+    None where no kernel takes `dtype` on this device (16-bit inputs on a
+    T4: the caller widens them to float32). The simulator runs no inline
+    PTX, so it always gets v3."""
+    if simulator:
+        return 3 if dtype == "float32" else None
+    for version in (5, 6, 3):
+        if version in versions_for(dtype, d, d_v, cc):
+            return version
+    return None
+
+
+def argument_types(args):
+    """numba argument types of argument list `args` (see Kernel.args)."""
+    from numba import (
+        boolean,
+        float32,
+        int16,
+        int32,
+        int64,
+        typeof,
+        uint8,
+        uint64,
+    )
+
+    from flashlab.kernel_args import KernelRules
+
+    a3, a2 = float32[:, :, ::1], float32[:, ::1]
+    h3, b2 = int16[:, :, ::1], boolean[:, ::1]
+    f = float32(0)
+    rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
+                               uint64(0), False, f, f, 1))
+    common = (rules, int64[::1], uint8[:, :, ::1])
+    lists = {
+        "forward": (a3, a3, a3, a3, a2, *common),
+        "forward_bad": (a3, a3, a3, a3, a2, b2, *common),
+        "forward16": (h3, h3, h3, int32[:, :, ::1], a2, b2, *common),
+        "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3, *common),
+        "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),
+        "backward16_dq": (h3, h3, h3, h3, a2, a2, a3, *common),
+        "backward16_dkv": (h3, h3, h3, h3, a2, a2, a3, a3, *common),
+        "combine": (a3, a2, a3, a2, float32),
+        "row_dot": (a3, a3, a2),
+        "find_bad": (a3, b2),
+        "find_bad16": (h3, b2, int64),
+        "finish": (a3, a2, b2, b2),
+    }
+    return lists[args]
