@@ -5,19 +5,22 @@ every step into one frame of a matplotlib animation rendered as HTML with
 First / Previous / Next / Play buttons (`to_jshtml`): the frames are the
 computation's states, never a separate drawing of it.
 
-- `online_steps`: the running (m, l, a) of one query as chunks arrive
-  (`online.stream`, chapter 3);
+- `online_steps`: one query's rescale-then-add, chunk by chunk, with the
+  numbers of `rescale_add` (`online.stream`, chapter 3);
 - `merge_steps`: two block summaries and their merge (`merge`, chapter 4);
-- `tile_walk`: the Q/K/V tile walk with each row's rescale factor
-  (`tiled.trace`, chapter 5);
+- `tile_walk`: Q, K^T, V^T and the per-row accumulators, tile by tile,
+  numbers in the cells (`tiled.trace`, chapter 5);
 - `traffic_steps`: HBM traffic of the dense and tiled schedules, transfer
   by transfer (`io.ledger(record=True)`, chapter 6);
-- `causal_map`: the tiles causal attention visits and skips (chapter 7).
+- `tile_map`: one static panel of the tiles a mask computes in full, masks
+  element by element, or skips (chapter 7).
 """
+
+from typing import NamedTuple
 
 import numpy as np
 
-from flashlab import io, merge, online, tiled
+from flashlab import io, masks, merge, online, tiled
 
 
 def animate(frames, draw, figsize=(8, 3.4)):
@@ -58,27 +61,98 @@ def _offline(html):
     return html
 
 
-def online_steps(scores, values, chunk):
-    """Chapter 3: scores seen so far and the running (m, l, a) per chunk."""
+class RescaleAdd(NamedTuple):
+    """One chunk of the online update, split into its rescale and its add."""
+
+    keys: range  # the chunk's keys
+    top: np.ndarray  # the chunk's own maximum
+    old: merge.Summary  # running state before the chunk
+    alpha: np.ndarray  # exp(m_old - m'), 0 for the empty starting state
+    rescaled: merge.Summary  # the old state moved onto m'
+    added: merge.Summary  # the chunk's own terms on m'
+    new: merge.Summary  # rescaled + added = merge(old, chunk)
+
+
+def rescale_add(scores, values, chunk):
+    """Chapter 3: each chunk's (old, alpha, rescaled, added, new) states.
+
+    scores (..., N), values (N, d_v). Both halves are `merge.merge` with an
+    empty summary sitting on the new maximum m' (l = 0, u = 0): merging
+    the old state with it is the rescale, merging it with the chunk is the
+    chunk's contribution. `new` is the state `online.stream` returns.
+    """
     scores = np.asarray(scores, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
     states = online.stream(scores, values, chunk)
-    frames = [(k, min((k + 1) * chunk, len(scores)), st)
-              for k, st in enumerate(states)]
+    old = merge.empty(scores.shape[:-1], values.shape[-1], np.float64)
+    steps = []
+    for k, new in enumerate(states):
+        j0 = k * chunk
+        keys = range(j0, min(j0 + chunk, scores.shape[-1]))
+        block = merge.summarize(scores[..., keys.start:keys.stop],
+                                values[keys.start:keys.stop])
+        steps.append(RescaleAdd(keys, block.m, old,
+                                merge.rescale(old.m, new.m),
+                                *_rescale_and_add(old, block, new), new))
+        old = new
+    return steps
 
-    def draw(fig, frame):
-        k, seen, st = frame
-        ax = fig.add_subplot(1, 1, 1)
-        colors = ["C0" if j < seen else "0.85" for j in range(len(scores))]
-        ax.bar(range(len(scores)), scores, color=colors)
-        ax.axhline(st.m, color="C3", ls="--", label=f"m = {st.m:.3f}")
-        ax.set_xlabel("key j (grey: not arrived yet)")
+
+def _rescale_and_add(old, block, new):
+    """(old state on new.m, block's terms on new.m), both by merge.merge."""
+    on_new = merge.Summary(new.m, np.zeros_like(new.l),
+                           np.zeros_like(new.u))  # empty, sitting at m'
+    return merge.merge(old, on_new), merge.merge(on_new, block)
+
+
+def _vec(x, places=3):
+    """A vector as [0.591, 0.786]."""
+    return "[" + ", ".join(f"{e:.{places}f}" for e in np.ravel(x)) + "]"
+
+
+def rescale_lines(step):
+    """Text lines of one chunk's arithmetic (one query row), rounded."""
+    old, res, add, new = step.old, step.rescaled, step.added, step.new
+    a = float(step.alpha)
+    m_old = "-inf" if old.l == 0 else f"{float(old.m):g}"
+    return [
+        f"m' = max({m_old}, {float(step.top):g}) = {float(new.m):g},   "
+        f"alpha = exp({m_old} - {float(new.m):g}) = {a:.3f}",
+        f"l: {float(old.l):.3f} x {a:.3f} = {float(res.l):.3f} "
+        f"+ {float(add.l):.3f} = {float(new.l):.3f}",
+        f"u: {_vec(old.u)} x {a:.3f} = {_vec(res.u)} "
+        f"+ {_vec(add.u)} = {_vec(new.u)}",
+        f"u / l = {_vec(new.output())}",
+    ]
+
+
+def online_steps(scores, values, chunk):
+    """Chapter 3: one query's rescale-then-add, one frame per chunk."""
+    scores = np.asarray(scores, dtype=np.float64)
+    steps = rescale_add(scores, values, chunk)
+
+    def draw(fig, step):
+        ax = fig.add_axes((0.09, 0.42, 0.88, 0.5))
+        colors = ["C1" if j in step.keys else
+                  "C0" if j < step.keys.start else "0.85"
+                  for j in range(len(scores))]
+        bars = ax.bar(range(len(scores)), scores, color=colors)
+        ax.bar_label(bars, fmt="%g", fontsize=8)
+        ax.set_ylim(min(0, scores.min()) - 0.2, scores.max() * 1.25 + 0.2)
+        ax.axhline(float(step.new.m), color="C3", ls="--",
+                   label=f"m' = {float(step.new.m):g}")
+        ax.set_xticks(range(len(scores)))
+        ax.set_xlabel("key j (orange: this chunk, blue: earlier, "
+                      "grey: not arrived yet)")
         ax.set_ylabel("score s_j")
-        a = np.array2string(np.asarray(st.u), precision=3)
-        ax.set_title(f"after chunk {k + 1}: l = {st.l:.3f}, a = {a}, "
-                     f"a / l = {np.array2string(st.output(), precision=3)}")
+        ax.set_title(f"chunk {step.keys.start // chunk + 1}: keys "
+                     f"{step.keys.start}-{step.keys.stop - 1}, scores "
+                     + ", ".join(f"{scores[j]:g}" for j in step.keys))
         ax.legend(loc="upper left")
+        fig.text(0.03, 0.25, "\n".join(rescale_lines(step)), va="top",
+                 family="monospace", fontsize=9)
 
-    return animate(frames, draw)
+    return animate(steps, draw, figsize=(8, 4.6))
 
 
 def merge_steps(scores, values, split):
@@ -108,35 +182,122 @@ def merge_steps(scores, values, split):
     return animate(frames, draw)
 
 
+def _cell(ax, x, y, text="", color="white", size=8, hatch=None):
+    """One unit cell of a tile diagram, top-left corner at (x, y)."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="0.4",
+                           lw=0.6, hatch=hatch))
+    if text:
+        ax.text(x + 0.5, y + 0.5, text, ha="center", va="center",
+                fontsize=size)
+
+
 def tile_walk(q, k, v, **options):
-    """Chapter 5: each visited tile, and the rescale factor of every row.
+    """Chapter 5: Q, K^T, V^T, the score tiles and each row's (m, l, u).
 
-    options are those of tiled.trace (block_q, block_k, causal, ...).
+    One frame before the first tile, one per tile that tiled.trace visits
+    and one for the final division. q (Nq, d), k (Nk, d), v (Nk, d_v);
+    options are those of tiled.trace (block_q, block_k, scale, ...).
     """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     tiles = tiled.trace(q, k, v, **options)
-    nq, nk = np.shape(q)[-2], np.shape(k)[-2]
+    (nq, d), nk, dv = q.shape, k.shape[0], v.shape[1]
+    states = [merge.empty((nq,), dv, np.float64)]  # all rows, per frame
+    for t in tiles:  # a tile's state holds only its own rows
+        st = merge.Summary(*(x.copy() for x in states[-1]))
+        for whole, part in zip(st, t.after):
+            whole[t.rows.start:t.rows.stop] = part
+        states.append(st)
+    frames = [("start", None, states[0])] + [
+        ("tile", t, st) for t, st in zip(tiles, states[1:])] + [
+        ("end", None, states[-1])]
+    xs, xa = d + 1, d + nk + 2  # first score column, first state column
+    ys, yv = d + 1, d + nq + 2  # first query row, first V^T row
 
-    def draw(fig, tile):
-        ax, bx = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
-        grid = np.zeros((nq, nk))
-        for t in tiles[:tiles.index(tile) + 1]:  # visited so far
-            grid[t.rows.start:t.rows.stop, t.cols.start:t.cols.stop] = 1
-        grid[tile.rows.start:tile.rows.stop,
-             tile.cols.start:tile.cols.stop] = 2
-        ax.imshow(grid, cmap="Blues", vmin=0, vmax=2.5)
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        ax.set_title(f"tile ({tile.rows.start}:{tile.rows.stop}, "
-                     f"{tile.cols.start}:{tile.cols.stop})")
-        alpha = merge.rescale(tile.before.m, tile.after.m)  # per row
-        rows = list(tile.rows)
-        bx.barh(rows, np.ravel(alpha)[:len(rows)], color="C2")
-        bx.set_xlim(0, 1.05)
-        bx.set_ylim(nq - 0.5, -0.5)
-        bx.set_xlabel("alpha = exp(m_old - m_new)")
-        bx.set_title("rescale of the rows' state")
+    def draw(fig, frame):
+        kind, tile, state = frame
+        n = tiles.index(tile) if kind == "tile" else (
+            -1 if kind == "start" else len(tiles))
+        ax = fig.add_axes((0, 0, 1, 0.94))
+        cur_r = tile.rows if tile else range(0)
+        cur_c = tile.cols if tile else range(0)
+        for r in range(d):  # K^T on top, one column per key
+            for j in range(nk):
+                _cell(ax, xs + j, r, f"{k[j, r]:g}",
+                      "#fdd9b5" if j in cur_c else "0.95")
+        for r in range(dv):  # V^T below, aligned with the keys
+            for j in range(nk):
+                _cell(ax, xs + j, yv + r, f"{v[j, r]:g}",
+                      "#fdd9b5" if j in cur_c else "0.95")
+        for i in range(nq):  # Q on the left, one row per query
+            for c in range(d):
+                _cell(ax, c, ys + i, f"{q[i, c]:g}",
+                      "#c6dbef" if i in cur_r else "0.95")
+        for i in range(nq):  # the score grid: where tiles will be
+            for j in range(nk):
+                _cell(ax, xs + j, ys + i)
+        for t in tiles[:max(n, 0)]:  # tiles already merged: consumed
+            for i in t.rows:
+                for j in t.cols:
+                    _cell(ax, xs + j, ys + i, "used", "0.85", 7, "//")
+        if tile is not None:  # this tile: score, then exp(s - m')
+            for a, i in enumerate(tile.rows):
+                for b, j in enumerate(tile.cols):
+                    sc = tile.scores[a, b]
+                    p = np.exp(sc - tile.after.m[a])
+                    _cell(ax, xs + j, ys + i, f"s={sc:.3g}\np={p:.3f}",
+                          "#fdae6b", 7)
+        heads = ["m", "alpha", "l"] + [f"u[{c}]" for c in range(dv)]
+        if kind == "end":
+            heads = ["m", "alpha", "l"] + [f"O[{c}]" for c in range(dv)]
+        for c, h in enumerate(heads):
+            ax.text(xa + c + 0.5, ys - 0.3, h, ha="center", fontsize=8)
+        alpha = np.full(nq, np.nan)  # per row, shown for this tile's rows
+        if tile is not None:
+            alpha[cur_r.start:cur_r.stop] = merge.rescale(tile.before.m,
+                                                          tile.after.m)
+        for i in range(nq):
+            vec = state.output()[i] if kind == "end" else state.u[i]
+            row = ["-inf" if state.l[i] == 0 else f"{state.m[i]:g}",
+                   "-" if np.isnan(alpha[i]) else f"{alpha[i]:.3f}",
+                   f"{state.l[i]:.3f}", *(f"{x:.3f}" for x in vec)]
+            color = "#c6dbef" if i in cur_r or kind == "end" else "white"
+            for c, text in enumerate(row):
+                _cell(ax, xa + c, ys + i, text, color)
+        for j in range(nk):
+            ax.text(xs + j + 0.5, -0.3, f"K{j}", ha="center", fontsize=8)
+            ax.text(xs + j + 0.5, yv + dv + 0.6, f"V{j}", ha="center",
+                    fontsize=8)
+        for i in range(nq):
+            ax.text(-0.2, ys + i + 0.5, f"Q{i}", ha="right", va="center",
+                    fontsize=8)
+        if tile is not None:  # each row's l: rescale, then add the tile
+            block = merge.summarize(tile.scores, v[cur_c.start:cur_c.stop])
+            _, add = _rescale_and_add(tile.before, block, tile.after)
+            lines = [f"Q{i}: l = {tile.before.l[a]:.3f} x {alpha[i]:.3f}"
+                     f" + {add.l[a]:.3f} = {tile.after.l[a]:.3f}"
+                     for a, i in enumerate(cur_r)]
+            ax.text(xa, yv + 0.2, "\n".join(lines), va="top",
+                    family="monospace", fontsize=8)
+        ax.text(xs - 0.2, d / 2, "K^T", ha="right", va="center")
+        ax.text(xs - 0.2, yv + dv / 2, "V^T", ha="right", va="center")
+        ax.set_xlim(-1.2, xa + len(heads) + 0.2)
+        ax.set_ylim(yv + dv + 1, -0.8)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        if kind == "start":
+            title = "start: every row's state is empty (m = -inf, l = 0)"
+        elif kind == "end":
+            title = "after the last tile: O = u / l, row by row"
+        else:
+            title = (f"tile {n + 1} of {len(tiles)}: queries "
+                     f"{tile.rows.start}-{tile.rows.stop - 1}, keys "
+                     f"{tile.cols.start}-{tile.cols.stop - 1}; state "
+                     f"rescaled by alpha, then the tile added")
+        ax.set_title(title, fontsize=9)
 
-    return animate(tiles, draw)
+    return animate(frames, draw, figsize=(8, 5.4))
 
 
 def traffic_steps(n, d, *, block_q, block_k, steps=12):
@@ -173,27 +334,31 @@ def traffic_steps(n, d, *, block_q, block_k, steps=12):
     return animate(list(cuts), draw)
 
 
-def causal_map(nq, nk, *, block_q, block_k, causal=True, window=None):
-    """Chapter 7: the tiles visited in loop order; skipped ones stay grey."""
+def tile_map(ax, nq, nk, *, block_q, block_k, kv_lengths=None,
+             **rules):
+    """Chapter 7: draw on ax which tiles run in full, masked, or skipped.
+
+    rules are tiled.trace's causal, window and align. Returns the counts
+    {"full": ..., "masked": ..., "skipped": ...}.
+    """
+    rule = masks.rules(rules.get("causal", False), rules.get("window"),
+                       kv_lengths, None, (), nq, nk, rules.get("align"))
     x = np.zeros((nq, 1))
-    tiles = tiled.trace(x, np.zeros((nk, 1)), np.zeros((nk, 1)),
-                        block_q=block_q, block_k=block_k, causal=causal,
-                        window=window)
-    all_tiles = -(-nq // block_q) * -(-nk // block_k)
-
-    def draw(fig, upto):
-        ax = fig.add_subplot(1, 1, 1)
-        grid = np.zeros((nq, nk))
-        for t in tiles[:upto]:
-            grid[t.rows.start:t.rows.stop, t.cols.start:t.cols.stop] = 1
-        ax.imshow(grid, cmap="Greens", vmin=0, vmax=1.3)
-        for j in range(0, nk + 1, block_k):
-            ax.axvline(j - 0.5, color="w", lw=1)
-        for i in range(0, nq + 1, block_q):
-            ax.axhline(i - 0.5, color="w", lw=1)
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        ax.set_title(f"{upto} of {len(tiles)} tiles visited; "
-                     f"{all_tiles - len(tiles)} of {all_tiles} skipped")
-
-    return animate(list(range(1, len(tiles) + 1)), draw, figsize=(5, 4.5))
+    visited = tiled.trace(x, np.zeros((nk, 1)), np.zeros((nk, 1)),
+                          block_q=block_q, block_k=block_k,
+                          kv_lengths=kv_lengths, **rules)
+    rows, cols = -(-nq // block_q), -(-nk // block_k)
+    kind = np.zeros((rows, cols))  # 0 skipped, 1 masked, 2 full
+    for t in visited:
+        allowed = rule.allowed(t.rows, t.cols)  # None: all pairs allowed
+        kind[t.rows.start // block_q, t.cols.start // block_k] = (
+            2 if allowed is None or np.all(allowed) else 1)
+    ax.imshow(kind, cmap="Blues", vmin=0, vmax=2.6)
+    names = {0: "skip", 1: "mask", 2: "full"}
+    for (i, j), c in np.ndenumerate(kind):
+        ax.text(j, i, names[c], ha="center", va="center", fontsize=7,
+                color="white" if c == 2 else "black")
+    ax.set_xticks(range(cols), [f"K{j}" for j in range(cols)], fontsize=7)
+    ax.set_yticks(range(rows), [f"Q{i}" for i in range(rows)], fontsize=7)
+    return {name: int(np.sum(kind == c)) for c, name in
+            ((2, "full"), (1, "masked"), (0, "skipped"))}

@@ -6,7 +6,7 @@ import matplotlib
 import numpy as np
 import pytest
 
-from flashlab import online, tiled, viz
+from flashlab import online, reference, tiled, viz
 
 matplotlib.use("Agg")
 
@@ -24,6 +24,32 @@ def test_online_steps_one_frame_per_chunk(rng):
     assert n == len(online.stream(s, v, 3)) == 3 and has_next
 
 
+def test_rescale_add_adds_up_to_the_online_state(rng):
+    s, v = rng.standard_normal(9) * 5, rng.standard_normal((9, 3))
+    steps = viz.rescale_add(s, v, chunk=2)
+    ref = reference.softmax(s) @ v
+    for st, want in zip(steps, online.stream(s, v, 2)):
+        # rescaled + added must be the merged state, to rounding of a sum
+        assert abs(st.rescaled.l + st.added.l - want.l) <= 1e-15 * want.l
+        assert np.allclose(st.rescaled.u + st.added.u, want.u,
+                           rtol=1e-14, atol=0)
+        assert st.rescaled.l == st.alpha * st.old.l
+        assert st.top == s[st.keys.start:st.keys.stop].max()
+    assert np.max(np.abs(steps[-1].new.output() - ref)) < 1e-14
+    assert steps[0].alpha == 0 and steps[0].old.l == 0
+
+
+def test_rescale_lines_show_the_seed_arithmetic():
+    scores = [1.0, 2.0, 0.0, 1.0, 3.0, 2.0]
+    values = np.array([[2.0, 0.0], [0.0, 2.0], [1.0, 1.0],
+                       [2.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    text = "\n".join(viz.rescale_lines(viz.rescale_add(scores, values,
+                                                       2)[-1]))
+    assert "1.871 x 0.368 = 0.688 + 1.368 = 2.056" in text
+    assert "[1.607, 2.135] x 0.368 = [0.591, 0.786]" in text
+    assert "+ [0.368, 2.368] = [0.959, 3.153]" in text
+
+
 def test_merge_steps_three_frames(rng):
     n, _ = frames(viz.merge_steps(rng.standard_normal(5),
                                   rng.standard_normal((5, 2)), split=2))
@@ -31,12 +57,31 @@ def test_merge_steps_three_frames(rng):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_tile_walk_and_causal_map_follow_the_trace(rng, causal):
-    q, k, v = (rng.standard_normal((10, 4)) for _ in range(3))
-    opts = dict(block_q=4, block_k=3, causal=causal)
+def test_tile_walk_start_every_tile_and_end(rng, causal):
+    q, k, v = (rng.standard_normal((5, 2)) for _ in range(3))
+    opts = dict(block_q=2, block_k=3, causal=causal)  # ragged both ways
     visited = len(tiled.trace(q, k, v, **opts))
-    assert frames(viz.tile_walk(q, k, v, **opts))[0] == visited
-    assert frames(viz.causal_map(10, 10, **opts))[0] == visited
+    html = viz.tile_walk(q, k, v, **opts)
+    assert frames(html)[0] == visited + 2
+    images = re.findall(r"frames\[\d+\] = \"([^\"]+)\"", html.data)
+    assert len(set(images)) == len(images)  # every frame differs
+
+
+@pytest.mark.parametrize("opts, want", [
+    (dict(causal=True), dict(full=6, masked=4, skipped=6)),
+    (dict(kv_lengths=np.array(9)), dict(full=8, masked=4, skipped=4)),
+    (dict(causal=True, window=(4, 0)), dict(full=0, masked=7,
+                                            skipped=9)),
+])
+def test_tile_map_counts_match_the_trace(rng, opts, want):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    got = viz.tile_map(ax, 16, 16, block_q=4, block_k=4, **opts)
+    plt.close(fig)
+    x = rng.standard_normal((16, 2))
+    visited = len(tiled.trace(x, x, x, block_q=4, block_k=4, **opts))
+    assert got == want and got["full"] + got["masked"] == visited
 
 
 def test_traffic_steps_reaches_the_ledger_totals():
