@@ -1,14 +1,22 @@
-"""flashlab attention as a torch.autograd.Function a model can call.
+"""flashlab attention as a torch op a model can call, eager or compiled.
 
-CPU tensors (float32, float64) run the tiled numpy path, CUDA tensors the
-numba.cuda kernels of flashlab.gpu in place through
-__cuda_array_interface__: float32 on the default version, bf16 and
-float16 on the tensor cores (v5, and backward_v5 for the gradients). The
-forward saves q, k, v, o and the row log-sum-exp only; the backward
+The forward and the backward are two opaque ops (torch.library
+custom_op, flashlab::attention and flashlab::attention_backward) with
+fake implementations for shapes and an autograd formula, so
+torch.compile(model, fullgraph=True) keeps them whole in its graph and
+CUDA graphs capture them. CPU tensors (float32, float64) run the tiled
+numpy path, CUDA tensors the kernels of flashlab.gpu in place, launched
+through the driver on torch's current stream: float32 on v6 (3xTF32),
+bf16 and float16 on the tensor cores (v5, and backward_v5 for the
+gradients). The forward saves q, k, v, o and the row log-sum-exp only;
+the backward
 recomputes score tiles from them, so no (Nq, Nk) tensor lives between the
 two passes. The backward is itself not differentiable: asking for a second
 derivative raises instead of returning a wrong one. See chapters 8 and 9.
 """
+
+import json
+from typing import Optional
 
 import numpy as np
 import torch
@@ -20,50 +28,137 @@ _DTYPES = {"cpu": (torch.float32, torch.float64),
            "cuda": (torch.float32, torch.bfloat16, torch.float16)}
 
 
-class Attention(torch.autograd.Function):
-    """Autograd wrapper around the forward and backward of a backend."""
+_SECOND_ORDER = (
+    "flashlab.torch.attention is differentiable once: its backward has no "
+    "derivative of its own, so create_graph=True (double backward, "
+    "gradient penalties) is refused rather than answered without the "
+    "second-order term")
 
-    @staticmethod
-    def forward(ctx, q, k, v, options, num_splits):
-        if q.is_cuda:
-            from flashlab import gpu
 
-            o, lse = gpu.attention(q, k, v, return_lse=True,
-                                   num_splits=num_splits, **options)
-        else:
-            o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
-                                     num_splits=num_splits, **options)
-            o, lse = torch.from_numpy(o), torch.from_numpy(lse)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.options = options
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+@torch.library.custom_op("flashlab::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: Optional[torch.Tensor],
+                 kv_lengths: Optional[torch.Tensor],
+                 seed: Optional[torch.Tensor],
+                 options: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward as one opaque op: (o, lse). options: `_encode`'s JSON
+    of the keywords that are not tensors; seed a CPU int64 scalar."""
+    kw = _decode(options, mask, kv_lengths, seed)
+    splits = kw.pop("num_splits")
+    if q.is_cuda:
+        from flashlab import gpu
 
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        if torch.is_grad_enabled():  # create_graph=True: a 2nd derivative
-            raise RuntimeError(
-                "flashlab.torch.attention is differentiable once: its "
-                "backward has no derivative of its own, so create_graph="
-                "True (double backward, gradient penalties) is refused "
-                "rather than answered without the second-order term")
-        q, k, v, o, lse = ctx.saved_tensors
-        if q.is_cuda:
-            from flashlab import gpu
+        return gpu.attention(q, k, v, return_lse=True, num_splits=splits,
+                             **kw)
+    o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
+                             num_splits=splits, **kw)
+    return torch.from_numpy(o), torch.from_numpy(lse)
 
-            saved = (q, k, v, o, lse, do.contiguous())
-            d, d_v = q.shape[-1], v.shape[-1]
-            if q.dtype != torch.float32 and not (
-                    d in gpu.backward_v5.HEAD_DIMS
-                    and d_v in gpu.backward_v5.HEAD_DIMS):
-                # no tensor-core backward at these head dims: the
-                # float32 kernels on widened copies
-                saved = [x.float() for x in saved]
-            grads = gpu.attention_backward(*saved, **ctx.options)
-            return (*(g.to(q.dtype) for g in grads), None, None)
-        grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do),
-                                         **ctx.options)
-        return (*(torch.from_numpy(g) for g in grads), None, None)
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, mask, kv_lengths, seed, options):
+    lse_dtype = torch.float32 if q.is_cuda else q.dtype
+    return (q.new_empty((*q.shape[:-1], v.shape[-1])),
+            q.new_empty(q.shape[:-1], dtype=lse_dtype))
+
+
+@torch.library.custom_op("flashlab::attention_backward", mutates_args=())
+def attention_backward_op(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        o: torch.Tensor, lse: torch.Tensor, do: torch.Tensor,
+        mask: Optional[torch.Tensor], kv_lengths: Optional[torch.Tensor],
+        seed: Optional[torch.Tensor],
+        options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward as one opaque op: (dq, dk, dv) in q, k, v's dtypes,
+    recomputing score tiles from q, k, v, o and lse."""
+    kw = _decode(options, mask, kv_lengths, seed)
+    del kw["num_splits"]  # one backward loop follows any split forward
+    if q.is_cuda:
+        from flashlab import gpu
+
+        saved = (q, k, v, o, lse, do.contiguous())
+        if q.dtype != torch.float32 and not all(
+                size in gpu.backward_v5.HEAD_DIMS
+                for size in (q.shape[-1], v.shape[-1])):
+            # no tensor-core backward at these head dims: the float32
+            # kernels on widened copies
+            saved = [x.float() for x in saved]
+        grads = gpu.attention_backward(*saved, **kw)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+    grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do), **kw)
+    return tuple(torch.from_numpy(g) for g in grads)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, o, lse, do, mask, kv_lengths, seed,
+                             options):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, kv_lengths, seed, options = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.rest = (mask, kv_lengths, seed, options)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, _dlse):
+    if torch.is_grad_enabled():  # create_graph=True: a 2nd derivative
+        raise RuntimeError(_SECOND_ORDER)
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(q, k, v, o, lse, do, *ctx.rest)
+    return dq, dk, dv, None, None, None, None
+
+
+def _no_second_order(ctx, *grads):
+    raise RuntimeError(_SECOND_ORDER)
+
+
+def _no_vmap(info, in_dims, *args):
+    raise NotImplementedError(
+        "flashlab.torch.attention: torch.func.vmap is not supported (the "
+        "kernels take a batch of their own: pass the batch as a leading "
+        "dim instead)")
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+attention_backward_op.register_autograd(
+    _no_second_order, setup_context=lambda ctx, inputs, output: None)
+attention_op.register_vmap(_no_vmap)
+attention_backward_op.register_vmap(_no_vmap)
+
+# the JSON of each options tuple, and back: a call of a shape seen before
+# pays two dict look-ups instead of a json round trip
+_encoded = {}
+_decoded = {}
+
+
+def _encode(options):
+    """options (keywords that are not tensors) as the op's JSON string."""
+    key = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
+    text = _encoded.get(key)
+    if text is None:
+        text = _encoded[key] = json.dumps(dict(options), sort_keys=True)
+        _decoded[text] = json.loads(text)
+    return text
+
+
+def _hashable(x):
+    return tuple(_hashable(e) for e in x) if isinstance(x, list) else x
+
+
+def _decode(options, mask, kv_lengths, seed):
+    """The keywords of tiled.attention from the op's arguments."""
+    kw = dict(_decoded.get(options) or json.loads(options))
+    if kw["window"] is not None:
+        kw["window"] = tuple(kw["window"])
+    kw["mask"] = None if mask is None else _mask_numpy(mask)
+    kw["kv_lengths"] = (None if kv_lengths is None
+                        else _host_numpy("kv_lengths", kv_lengths))
+    if seed is not None:
+        kw["seed"] = int(seed)
+    return kw
 
 
 def attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -107,18 +202,24 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
         if mask.requires_grad:
             raise ValueError("attn_mask: expected a mask that needs no "
                              "gradient; flashlab computes none for it")
-        mask = _mask_numpy(mask, q)
-    if isinstance(kv_lengths, torch.Tensor):
-        kv_lengths = _host_numpy("kv_lengths", kv_lengths)
+        _check_mask_dtype(mask, q)
+    elif mask is not None:  # numpy or nested lists, as tiled takes
+        mask = torch.as_tensor(np.asarray(mask))
+    if kv_lengths is not None:
+        if isinstance(kv_lengths, torch.Tensor):
+            _host_numpy("kv_lengths", kv_lengths[:0])  # device check
+        kv_lengths = torch.as_tensor(kv_lengths)
     q, k, v = _broadcast(q, k, v, check_flag("enable_gqa", enable_gqa))
-    if dropout_p and seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    options = dict(block_q=block_q, block_k=block_k, scale=scale,
-                   causal=False if causal is None else causal,
-                   mask=mask, window=window, align=align,
-                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
-                   order=order)
-    o, lse = Attention.apply(q, k, v, options, num_splits)
+    seed_t = None
+    if dropout_p and seed is None:  # torch's generator: manual_seed
+        # repeats runs; a CPU tensor, so drawing it never syncs a GPU
+        seed_t = torch.randint(0, 2**62, (), dtype=torch.int64)
+    options = _encode(dict(
+        block_q=block_q, block_k=block_k, scale=scale,
+        causal=False if causal is None else causal, window=window,
+        align=align, dropout_p=dropout_p, order=order,
+        num_splits=num_splits, seed=seed))
+    o, lse = attention_op(q, k, v, mask, kv_lengths, seed_t, options)
     return (o, lse) if return_lse else o
 
 
@@ -242,14 +343,18 @@ def _host_numpy(name, x):
     return x.detach().cpu().numpy()
 
 
-def _mask_numpy(mask, q):
-    """attn_mask as numpy: bool, or a float dtype SDPA takes with q's
-    (float32 or q's own); 16-bit values widen to float32 exactly."""
+def _check_mask_dtype(mask, q):
+    """attn_mask: bool, or a float dtype SDPA takes with q's (float32 or
+    q's own)."""
     if mask.is_floating_point() and mask.dtype not in (torch.float32,
                                                        q.dtype):
         raise TypeError(f"attn_mask: expected a bool mask or a float one "
                         f"of dtype float32 or query's {q.dtype} (as "
                         f"SDPA), got {mask.dtype}")
+
+
+def _mask_numpy(mask):
+    """attn_mask as numpy; 16-bit values widen to float32 exactly."""
     if mask.dtype in (torch.bfloat16, torch.float16):
         mask = mask.float()  # numpy has no bfloat16
     return _host_numpy("attn_mask", mask)
