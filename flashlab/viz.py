@@ -23,8 +23,15 @@ import numpy as np
 from flashlab import io, masks, merge, online, tiled
 
 
-def animate(frames, draw, figsize=(8, 3.4)):
-    """HTML of an animation: draw(fig, frame) for each frame in frames."""
+def animate(frames, draw, figsize=(8, 3.4), text=None):
+    """HTML of an animation: draw(fig, frame) for each frame in frames.
+
+    text(frame), if given, is the frame's numbers as text: listed under the
+    player in a folded block, for readers who cannot see the images and for
+    the browser test, which checks that every frame carries numbers.
+    """
+    import html as html_text
+
     import matplotlib.pyplot as plt
     from IPython.display import HTML
     from matplotlib.animation import FuncAnimation
@@ -38,6 +45,11 @@ def animate(frames, draw, figsize=(8, 3.4)):
     anim = FuncAnimation(fig, update, frames=len(frames), interval=1200)
     html = anim.to_jshtml(default_mode="once")
     plt.close(fig)
+    if text is not None:
+        items = "".join(f"<li><pre>{html_text.escape(text(f))}</pre></li>"
+                        for f in frames)
+        html += ('<details class="frame-text"><summary>The frames as text'
+                 f"</summary><ol>{items}</ol></details>")
     return HTML(_offline(html))
 
 
@@ -131,6 +143,14 @@ def online_steps(scores, values, chunk):
     scores = np.asarray(scores, dtype=np.float64)
     steps = rescale_add(scores, values, chunk)
 
+    def title(step):
+        return (f"chunk {step.keys.start // chunk + 1}: keys "
+                f"{step.keys.start}-{step.keys.stop - 1}, scores "
+                + ", ".join(f"{scores[j]:g}" for j in step.keys))
+
+    def text(step):
+        return "\n".join([title(step), *rescale_lines(step)])
+
     def draw(fig, step):
         ax = fig.add_axes((0.09, 0.42, 0.88, 0.5))
         colors = ["C1" if j in step.keys else
@@ -145,14 +165,12 @@ def online_steps(scores, values, chunk):
         ax.set_xlabel("key j (orange: this chunk, blue: earlier, "
                       "grey: not arrived yet)")
         ax.set_ylabel("score s_j")
-        ax.set_title(f"chunk {step.keys.start // chunk + 1}: keys "
-                     f"{step.keys.start}-{step.keys.stop - 1}, scores "
-                     + ", ".join(f"{scores[j]:g}" for j in step.keys))
+        ax.set_title(title(step))
         ax.legend(loc="upper left")
         fig.text(0.03, 0.25, "\n".join(rescale_lines(step)), va="top",
                  family="monospace", fontsize=9)
 
-    return animate(steps, draw, figsize=(8, 4.6))
+    return animate(steps, draw, figsize=(8, 4.6), text=text)
 
 
 def merge_steps(scores, values, split):
@@ -167,6 +185,11 @@ def merge_steps(scores, values, split):
               ("merged: A and B on the common maximum", both,
                range(len(scores)))]
 
+    def text(frame):
+        name, st, _ = frame
+        return (f"{name}: m = {st.m:.4g}, l = {st.l:.4f}, u = "
+                f"{np.array2string(np.asarray(st.u), precision=4)}")
+
     def draw(fig, frame):
         name, st, keys = frame
         ax = fig.add_subplot(1, 1, 1)
@@ -175,11 +198,10 @@ def merge_steps(scores, values, split):
         ax.axhline(st.m, color="C3", ls="--", label=f"m = {st.m:.4g}")
         ax.set_xlabel("key j")
         ax.set_ylabel("score s_j")
-        ax.set_title(f"{name}: l = {st.l:.4f}, u = "
-                     f"{np.array2string(np.asarray(st.u), precision=4)}")
+        ax.set_title(text(frame))
         ax.legend(loc="upper left")
 
-    return animate(frames, draw)
+    return animate(frames, draw, text=text)
 
 
 def _cell(ax, x, y, text="", color="white", size=8, hatch=None):
@@ -297,7 +319,19 @@ def tile_walk(q, k, v, **options):
                      f"rescaled by alpha, then the tile added")
         ax.set_title(title, fontsize=9)
 
-    return animate(frames, draw, figsize=(8, 5.4))
+    def text(frame):
+        kind, tile, state = frame
+        rows = [f"Q{i}: m = {state.m[i]:g}, l = {state.l[i]:.3f}, u = "
+                f"{_vec(state.u[i])}" for i in range(nq)]
+        if kind == "end":
+            rows = [f"O{i} = u / l = {_vec(o)}"
+                    for i, o in enumerate(state.output())]
+        head = kind if tile is None else (
+            f"tile: queries {tile.rows.start}-{tile.rows.stop - 1}, keys "
+            f"{tile.cols.start}-{tile.cols.stop - 1}")
+        return "\n".join([head, *rows])
+
+    return animate(frames, draw, figsize=(8, 5.4), text=text)
 
 
 def traffic_steps(n, d, *, block_q, block_k, steps=12):
@@ -317,21 +351,28 @@ def traffic_steps(n, d, *, block_q, block_k, steps=12):
 
     top = max(b.total for b in runs.values())
 
+    def label(name, upto):
+        book = runs[name]
+        return (f"{name}: {sum(totals(book, upto).values()):,} elements "
+                f"({min(upto, len(book.events))}/{len(book.events)} "
+                "transfers)")
+
+    def text(upto):
+        return "\n".join(label(name, upto) for name in runs)
+
     def draw(fig, upto):
         ax = fig.add_subplot(1, 1, 1)
         x = np.arange(len(tensors))
         for off, (name, book) in zip((-0.2, 0.2), runs.items()):
             got = totals(book, upto)
-            done = min(upto, len(book.events))
             ax.bar(x + off, [got[t] for t in tensors], width=0.4,
-                   label=f"{name}: {sum(got.values()):,} elements "
-                   f"({done}/{len(book.events)} transfers)")
+                   label=label(name, upto))
         ax.set_xticks(x, tensors)
         ax.set_ylim(0, top / 2)
         ax.set_ylabel("elements moved so far")
         ax.legend(loc="upper right", fontsize=8)
 
-    return animate(list(cuts), draw)
+    return animate(list(cuts), draw, text=text)
 
 
 def tile_map(ax, nq, nk, *, block_q, block_k, kv_lengths=None,

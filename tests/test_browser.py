@@ -2,13 +2,15 @@
 
 Run after `make book` (make test does): serves _build/html on loopback,
 visits every page and fails on console errors, failed requests, broken
-internal links, images that did not load and math left as raw TeX; clicks
-a step-through's Next and checks that the frame changes. A screenshot of
+internal links, images that did not load and math left as raw TeX; steps
+through every frame of every step-through and checks that each frame is a
+new image with its numbers listed as text. A screenshot of
 each page is kept in _build/screenshots/.
 """
 
 import functools
 import http.server
+import re
 import threading
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlparse
@@ -111,16 +113,40 @@ def test_page_renders_completely(server, browser, name):
     assert not problems, "\n".join(problems)
 
 
-def test_step_through_next_changes_the_frame(server, browser):
+# Pages with a step-through (matplotlib's player, frames inline).
+PLAYERS = [p for p in PAGES
+           if "_anim_img" in (SITE / p).read_text(encoding="utf-8")]
+
+
+def test_there_are_step_throughs():
+    assert len(PLAYERS) >= 4
+
+
+@pytest.mark.parametrize("name", PLAYERS)
+def test_step_through_frames_differ_and_carry_numbers(server, browser,
+                                                      name):
+    """Next walks every frame of every player: each frame is a new image,
+    and the frames' text under the player has numbers for each one."""
     problems = []
-    url = urljoin(server, "notebooks/03_online_softmax.html")
-    page = open_page(browser, url, problems)
-    frame = page.locator("img[id^='_anim_img']").first
-    before = frame.get_attribute("src")
-    page.locator("button[title='Next frame']").first.click()
-    after = frame.get_attribute("src")
-    page.locator("button[title='Next frame']").first.click()
-    later = frame.get_attribute("src")
+    page = open_page(browser, urljoin(server, name), problems)
+    ids = [i[len("_anim_img"):] for i in page.eval_on_selector_all(
+        "img[id^='_anim_img']", "els => els.map(e => e.id)")]
+    assert ids
+    for uid in ids:
+        frames = int(page.get_attribute(f"#_anim_slider{uid}", "max")) + 1
+        texts = page.evaluate("""uid => {
+            let e = document.getElementById("_anim_img" + uid);
+            while (e && !e.querySelector("details.frame-text"))
+                e = e.parentElement;
+            return e ? [...e.querySelectorAll("details.frame-text li")]
+                .map(li => li.textContent) : []; }""", uid)
+        assert len(texts) == frames >= 2, f"{name}: frame text missing"
+        assert all(re.search(r"\d", t) for t in texts), texts
+        seen = [page.get_attribute(f"#_anim_img{uid}", "src")]
+        for _ in range(frames - 1):
+            page.click(f"button[onclick='anim{uid}.next_frame()']")
+            seen.append(page.get_attribute(f"#_anim_img{uid}", "src"))
+        assert all(seen) and len(set(seen)) == frames, (
+            f"{name}: Next did not show {frames} different frames")
     page.close()
-    assert before and after and before != after != later
     assert not problems, "\n".join(problems)

@@ -93,6 +93,18 @@ def test_traffic_steps_reaches_the_ledger_totals():
         [d for d, _, _ in book.events[:1]], ["read"])
 
 
+def test_every_frame_is_listed_as_text_with_numbers(rng):
+    s, v = rng.standard_normal(5), rng.standard_normal((5, 2))
+    players = [viz.online_steps(s, v, chunk=2),
+               viz.merge_steps(s, v, split=2),
+               viz.tile_walk(v, v, v, block_q=2, block_k=2),
+               viz.traffic_steps(8, 2, block_q=4, block_k=4, steps=3)]
+    for html in players:
+        n, _ = frames(html)
+        items = re.findall(r"<li><pre>(.*?)</pre></li>", html.data, re.S)
+        assert len(items) == n and all(re.search(r"\d", t) for t in items)
+
+
 def test_player_needs_no_network(rng):
     html = viz.merge_steps(rng.standard_normal(3),
                            rng.standard_normal((3, 1)), split=1).data
