@@ -102,3 +102,71 @@ def test_counters_on_known_text():
     assert ptx.fast_exps(text) == 1
     assert ptx.local_bytes(text) == 128
     assert ptx.tensor_ops(text) == 1
+
+
+# forward_v7 (wgmma) is built for sm_90a only and is not in the registry
+# yet, so `report` does not compile it: it is compiled here, in a fresh
+# process as well, and assembled by ptxas for sm_90a
+V7_CASES = (("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
+            ("f16", 64, 64), ("f16", 128, 128))
+V7_SCRIPT = """
+import json, sys
+from flashlab import ptx
+from flashlab.gpu import build, forward_v7, launch
+out = {}
+for kind, d, dv in json.loads(sys.argv[1]):
+    text = forward_v7.compile_ptx(d, dv, kind)
+    sig = build.signature(f"forward_v5_{kind}")
+    plain = text.replace(".target sm_90a", ".target sm_90")
+    try:
+        ptx.assemble(plain, (9, 0))
+        sm90 = True
+    except RuntimeError:
+        sm90 = False
+    out[f"{kind} {d} {dv}"] = dict(
+        wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
+        f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
+        shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
+        abi=launch.code_kinds(launch.param_codes(sig))
+        == launch.ptx_params(text), sm90=sm90,
+        **ptx.assemble(text, forward_v7.CC))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def v7_report():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", V7_SCRIPT,
+                           json.dumps(V7_CASES)], env=env,
+                          capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_v7_products_are_wgmma_from_registers_and_shared(v7_report):
+    # per K/V tile: d / 16 k-steps of S = Q K^T (m64n64k16) and 64 / 16 of
+    # O += P V (m64n<d_v>k16), one wgmma each; no mma.sync left, no
+    # float64, no local memory, within the static shared-memory limit
+    assert set(v7_report) == {f"{k} {d} {dv}" for k, d, dv in V7_CASES}
+    for key, r in v7_report.items():
+        d = int(key.split()[1])
+        assert r["wgmma"] == d // 16 + 64 // 16, (key, r)
+        assert r["mma"] == 0 and r["f64"] == 0 and r["local"] == 0, key
+        assert r["exp"] > 0 and r["shared"] <= SHARED_LIMIT, (key, r)
+        assert r["abi"], f"{key}: launch.Layout and the PTX disagree"
+
+
+def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):
+    # ptxas for sm_90a: everything in registers; plain sm_90 has no wgmma
+    for key, r in v7_report.items():
+        assert not r["stack"] and not r["spill"] and r["regs"] <= 255, (
+            key, r)
+        assert not r["sm90"], f"{key}: wgmma assembled for plain sm_90"

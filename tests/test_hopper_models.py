@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from flashlab import fragments as fr
+from flashlab.gpu.forward_v7 import BC
 from flashlab.gpu.warp import BR, THREADS
 
-BC = 64  # keys per K/V tile, as forward_v7
 KP = BC // 16  # k-steps of P V
 
 

@@ -1,0 +1,242 @@
+"""Forward v7 (wgmma, bf16 and float16) on a Hopper GPU.
+
+v7 is built for sm_90a and is not in the registry yet: these tests
+compile it with cc=(9, 0, "a"), load it with flashlab.gpu.launch and
+prepare its arguments as gpu.attention prepares v5's (v7_arguments).
+Outputs are poisoned with NaN first; inputs are fresh random values, N is
+ragged (never a multiple of the 64-row tiles).
+
+Error budget: v5's (test_gpu_tensor_cores.half_budget): v7 rounds P and
+O to 16 bits as v5 does and sums in float32 on the tensor cores; lse as
+v5's, float32 sums of Nk terms.
+
+    python tests/test_gpu_v7.py OUT_DIR   # TFLOP/s against torch's SDPA"""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+from test_gpu_tensor_cores import CASES, UNIT, half_budget
+
+from flashlab import gpu, kernel_args, reference
+from flashlab.gpu import build, forward_v7, launch, warp
+from helpers import max_abs_err, qkv
+
+pytestmark = pytest.mark.gpu
+
+KINDS = {"bfloat16": "bf16", "float16": "f16"}
+# the keywords of gpu.attention that _Call reads, at their defaults
+DEFAULTS = dict(scale=None, causal=False, mask=None, window=None,
+                kv_lengths=None, dropout_p=0.0, seed=None, align=None)
+_loaded = {}
+
+
+def v7_kernel(kind, d, d_v):
+    """forward_v7 for sm_90a, loaded by the driver (once per shape)."""
+    from numba import cuda
+
+    key = (kind, d, d_v)
+    if key not in _loaded:
+        sig = build.signature("forward_v5_bf16")  # v5's arguments
+        ptx, _ = cuda.compile_ptx(forward_v7.make(d, d_v, kind).py_func,
+                                  sig, cc=forward_v7.CC)
+        _loaded[key] = launch.load(ptx, f"forward_v7_{kind}", sig)
+    return _loaded[key]
+
+
+def v7_arguments(q, k, v, opts):
+    """(o, lse, kernel arguments, grid, leading shape) of one call on
+    torch CUDA tensors, prepared as gpu.attention prepares v5's: (BH, N,
+    d) int16 bits, o as 16-bit pairs and lse poisoned with NaN, V's bad
+    columns per query head, and kernel_args' rules, kv_len and mask."""
+    import torch
+
+    d, d_v = q.shape[-1], v.shape[-1]
+    _, _, _, batch, plan, a = kernel_args.flatten(
+        *(kernel_args.proxy(x, np.float32) for x in (q, k, v)),
+        {**DEFAULTS, **opts})
+    bh, group, nq, nk = int(np.prod(batch)), a.rules.group, plan.nq, plan.nk
+
+    def bits(x, n, dim):
+        return x.contiguous().view(-1, n, dim).view(torch.int16)
+
+    def device(x):
+        return torch.tensor(np.array(x), device=q.device)
+
+    o = torch.full((bh, nq, d_v), float("nan"), dtype=q.dtype,
+                   device=q.device)
+    lse = torch.full((bh, nq), float("nan"), device=q.device)
+    v_kv = v.contiguous().view(bh // group, nk, d_v)
+    bad = (~torch.isfinite(v_kv)).any(1).repeat_interleave(group, 0)
+    args = (bits(q, nq, d), bits(k, nk, d), bits(v, nk, d_v),
+            o.view(torch.int32), lse, bad.contiguous(), a.rules,
+            device(a.kv_len), device(a.mask.astype(np.uint8)))
+    grid = (math.ceil(nq / forward_v7.BR), bh)
+    return o, lse, args, grid, (*q.shape[:-2], nq)
+
+
+def v7_attention(q, k, v, **opts):
+    """(o, lse) of forward_v7 on torch CUDA tensors."""
+    import torch
+
+    o, lse, args, grid, shape = v7_arguments(q, k, v, opts)
+    kernel = v7_kernel(KINDS[str(q.dtype).removeprefix("torch.")],
+                       q.shape[-1], v.shape[-1])
+    if o.numel():
+        kernel[grid, warp.THREADS,
+               torch.cuda.current_stream().cuda_stream](*args)
+    return o.view(*shape, v.shape[-1]), lse.view(shape)
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    # v7's outputs are poisoned by v7_arguments; v5's by gpu.attention
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def check(o, lse, q, k, v, dtype, **opts):
+    """o, lse (numpy) against float64 on the same 16-bit inputs."""
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    o_ref, lse_ref = reference.attention(*wide, return_lse=True, **opts)
+    assert not np.isnan(o).any()
+    assert max_abs_err(o, o_ref) <= half_budget(o_ref, wide[2],
+                                                UNIT[dtype])
+    # lse: -inf exactly where no key is allowed; elsewhere float32 sums
+    # of Nk terms (Nk eps relative in l, so absolute in log l)
+    finite = np.isfinite(lse_ref)
+    assert np.array_equal(finite, np.isfinite(lse))
+    eps = float(np.finfo(np.float32).eps)
+    tol = eps * (k.shape[-2] + 8 * (1 + np.abs(lse_ref[finite])))
+    assert np.all(np.abs(lse[finite] - lse_ref[finite]) <= tol)
+
+
+def ragged(rng, high):
+    """A length in 1..high that is not a multiple of 64."""
+    n = int(rng.integers(1, high))
+    return n + 1 if n % 64 == 0 else n
+
+
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_v7_against_float64(rng, opts, d, d_v, dtype):
+    import torch
+
+    nq, nk = ragged(rng, 600), ragged(rng, 600)
+    host = qkv(rng, (2, 3), nq, nk, d, d_v, np.float32)
+    q, k, v = (torch.tensor(x, device="cuda").to(getattr(torch, dtype))
+               for x in host)
+    o, lse = v7_attention(q, k, v, **opts)
+    assert o.dtype == q.dtype and o.shape == (2, 3, nq, d_v)
+    inputs = [x.double().cpu().numpy() for x in (q, k, v)]
+    check(o.double().cpu().numpy(), lse.cpu().numpy(), *inputs,
+          np.float16 if dtype == "float16" else dtype, **opts)
+
+
+def test_v7_masks_padding_and_nonfinite(rng):
+    import torch
+
+    q, k, v = qkv(rng, (2, 1), 130, 200, 64, 64, dtype=np.float16)
+    mask = rng.random((2, 1, 130, 200)) < 0.6
+    mask[0, 0, 7] = False  # an empty row: 0 and lse -inf
+    v[1, 0, 150, 3] = np.inf  # a bad value in V: column 3 NaN
+    opts = dict(mask=mask, kv_lengths=np.array([[200], [170]]))
+    dev = [torch.tensor(x, device="cuda") for x in (q, k, v)]
+    o, lse = (x.cpu().numpy() for x in v7_attention(*dev, **opts))
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    o_ref = reference.attention(*wide, **opts)
+    assert np.all(o[0, 0, 7] == 0) and lse[0, 0, 7] == -np.inf
+    assert np.array_equal(np.isnan(o), np.isnan(o_ref))
+    assert np.isnan(o[1, 0, :, 3]).all()
+    ok = ~np.isnan(o_ref)
+    assert max_abs_err(o[ok], o_ref[ok]) <= half_budget(
+        o_ref[ok], v[0], UNIT[np.float16])
+    q[0, 0, 5, 0] = np.nan  # NaN in q: that row only
+    dev[0] = torch.tensor(q, device="cuda")
+    o = v7_attention(*dev)[0].cpu().numpy()
+    assert np.isnan(o[0, 0, 5]).all() and not np.isnan(o[0, 0, 6]).any()
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True)])
+def test_v7_grouped_heads(rng, opts):
+    import torch
+
+    q, k, v = qkv(rng, (2, 4), 150, 281, 128, 128, dtype=np.float32)
+    k, v = k[:, :2], v[:, :2]  # two query heads per K/V head
+    dev = [torch.tensor(x, device="cuda").bfloat16() for x in (q, k, v)]
+    o, lse = v7_attention(*dev, **opts)
+    inputs = [x.double().cpu().numpy() for x in dev]
+    check(o.double().cpu().numpy(), lse.cpu().numpy(), *inputs,
+          "bfloat16", **opts)
+
+
+def test_v7_matches_v5_closely(rng):
+    # same tiles, same softmax: only the products' summation order differs
+    import torch
+
+    q, k, v = (torch.tensor(x, device="cuda").bfloat16()
+               for x in qkv(rng, (2, 2), 333, 517, 128, 128, np.float32))
+    o7 = v7_attention(q, k, v, causal=True)[0].double()
+    o5 = gpu.attention(q, k, v, causal=True, version=5).double()
+    # one bf16 rounding of O apart, at most
+    assert float((o7 - o5).abs().max()) <= 2.0**-8 * float(o5.abs().max())
+
+
+def bench(out_dir):
+    """TFLOP/s of v7 against torch SDPA (flash, cuDNN), bf16, B2 H8."""
+    import json
+
+    rows = [bench_case(n, d, causal) for n in (4096, 16384)
+            for d in (64, 128) for causal in (False, True)]
+    with open(f"{out_dir}/v7_bench.json", "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def bench_case(n, d, causal):
+    """{n, d, causal, v7, flash, cudnn}: TFLOP/s at B2 H8, bf16."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 8, n, d, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    flop = 4 * 2 * 8 * n * n * d / (2 if causal else 1)
+    _, _, args, grid, _ = v7_arguments(q, k, v, dict(causal=causal))
+    packed = v7_kernel("bf16", d, d).pack(*args)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def sdpa(backend):
+        with sdpa_kernel(backend):
+            F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    runs = {"v7": lambda: packed.launch(grid, warp.THREADS, stream),
+            "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+            "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)}
+    row = dict(n=n, d=d, causal=causal)
+    for name, run in runs.items():
+        row[name] = round(flop / median_ms(run) / 1e9, 1)
+    print(row, flush=True)
+    return row
+
+
+def median_ms(run, reps=20):
+    """Median milliseconds of run() on the device, after warm-up."""
+    import torch
+
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(reps):
+        start, end = (torch.cuda.Event(enable_timing=True)
+                      for _ in range(2))
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+if __name__ == "__main__":
+    bench(sys.argv[1])
