@@ -236,3 +236,298 @@ def test_order_is_accepted_by_every_backward(rng):
                 cpu.attention_backward(q, k, v, o, lse, do, order="fa1")):
         for g, w in zip(got, want):
             assert max_abs_err(g, w) < 1e-12
+
+
+# ------------------------------------------- issue 22: nothing silently wrong
+# The truth is torch's SDPA math backend in float64: the same softmax
+# written out, so the drop-in must agree with it to float64 rounding.
+
+def sdpa_math(q, k, v, do, dtype=torch.float64, **kw):
+    """SDPA (math backend) output and gradients, as numpy."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    xs = [torch.tensor(x, dtype=dtype, requires_grad=True)
+          for x in (q, k, v)]
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(*xs, **kw)
+    grads = torch.autograd.grad(o, xs, torch.tensor(do, dtype=o.dtype))
+    return [x.detach().numpy() for x in (o, *grads)]
+
+
+def fl_grads(q, k, v, do, **kw):
+    """flashlab.torch's output and gradients, as numpy."""
+    xs = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    o = fl_torch.attention(*xs, **kw)
+    grads = torch.autograd.grad(o, xs, torch.tensor(do))
+    return [x.detach().numpy() for x in (o, *grads)]
+
+
+RANKS = [  # (q, k, v) shapes whose leading dims align from the right
+    ((2, 3, 3, 4), (3, 6, 4), (3, 6, 5)),
+    ((2, 3, 5, 4), (1, 6, 4), (6, 5)),
+    ((3, 5, 4), (2, 3, 6, 4), (2, 1, 6, 4)),
+    ((2, 1, 5, 4), (4, 6, 4), (1, 4, 6, 4)),
+    ((5, 4), (2, 3, 6, 4), (6, 4)),
+]
+
+
+@pytest.mark.parametrize("shapes", RANKS, ids=str)
+def test_leading_dims_broadcast_from_the_right(rng, shapes):
+    q, k, v = (rng.standard_normal(s) for s in shapes)
+    lead = np.broadcast_shapes(*(s[:-2] for s in shapes))
+    do = rng.standard_normal((*lead, q.shape[-2], v.shape[-1]))
+    want = sdpa_math(q, k, v, do)
+    got = fl_grads(q, k, v, do)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and max_abs_err(g, w) < 1e-12
+    # the numpy backend on its own: forward and backward, same shapes
+    o, lse = tiled.attention(q, k, v, block_q=2, block_k=4,
+                             return_lse=True)
+    assert max_abs_err(o, want[0]) < 1e-12
+    grads = tiled.attention_backward(q, k, v, o, lse, do, block_q=2,
+                                     block_k=4)
+    for g, w in zip(grads, want[1:]):
+        assert g.shape == w.shape and max_abs_err(g, w) < 1e-12
+    assert max_abs_err(reference.attention(q, k, v), want[0]) < 1e-12
+
+
+@pytest.mark.parametrize("fill", ["finfo.min", -1e30, -3.4e38, -1e9])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_large_negative_masks_have_the_forward_s_gradient(rng, fill, dtype):
+    # a row masked whole by a finite fill attends every key equally in
+    # the forward (as SDPA): the backward must be that forward's
+    # derivative, 1/S of dO to each key, not all of it
+    q, k, v = qkv(rng, (2, 2), 7, 9, 8, 5)
+    fill = np.finfo(dtype).min if fill == "finfo.min" else fill
+    mask = np.where(rng.random((2, 2, 7, 9)) < 0.3, fill, 0.0)
+    mask[0, 1, 3] = fill  # fully masked rows
+    mask[1, :, 6] = fill
+    do = rng.standard_normal((2, 2, 7, 5))
+    # in float32, s - 1e9 keeps nothing of s (ulp 64): the truth is
+    # SDPA's math in float32 there, which rounds the same sums
+    x32 = [x.astype(dtype) for x in (q, k, v, do)]
+    mask = torch.tensor(mask.astype(dtype))
+    want = sdpa_math(*x32, dtype=mask.dtype, attn_mask=mask)
+    got = fl_grads(*x32, attn_mask=mask)
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for g, w in zip(got, want):
+        err = max_abs_err(g, w) / max(1.0, np.abs(w).max())
+        assert err < tol, err
+
+
+def test_huge_equal_scores_have_the_forward_s_gradient(rng):
+    # float32 scores of 1.8e7, equal along each row: lse = m + log S
+    # rounds to m; P must still be 1/S in the backward
+    q, k, v = qkv(rng, (2,), 6, 10, 4, 3, dtype=np.float32)
+    k[:] = k[:, :1]  # every key the same: every score of a row equal
+    q[:, :, 0] = 1.8e7 / (k[:, :1, 0] / 2)  # tau = 1/2: scores ~1.8e7
+    do = rng.standard_normal((2, 6, 3)).astype(np.float32)
+    want = sdpa_math(q, k, v, do)
+    got = fl_grads(q, k, v, do)
+    for g, w in zip(got, want):
+        assert max_abs_err(g, w) / max(1.0, np.abs(w).max()) < 1e-5
+
+
+def test_cpu_scores_near_the_float32_limit(rng):
+    # tau q.k up to 3e38: finite, and once NaN on the numba kernels
+    # (log2(e) folded into the scale overflowed past 2.36e38)
+    q, k, v = qkv(rng, (2, 2), 5, 7, 4, 3, dtype=np.float32)
+    q[0, 0, :, 0] = 3e38
+    q[0, 0, :, 1:] = 0
+    k[0, 0, :, 0] = np.linspace(0.5, 1.0, 7)
+    kw = dict(scale=1.0)
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **kw)
+    o, lse = cpu.attention(q, k, v, return_lse=True, **kw)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    assert max_abs_err(o, o_ref) < 1e-5
+    assert max_abs_err(lse / lse_ref, 1.0) < 1e-6
+    do = rng.standard_normal(o.shape).astype(np.float32)
+    o_t, lse_t = tiled.attention(q, k, v, return_lse=True, **kw)
+    want = tiled.attention_backward(q, k, v, o_t, lse_t, do, **kw)
+    got = cpu.attention_backward(q, k, v, o, lse, do, **kw)
+    for g, w in zip(got, want):
+        assert np.isfinite(g).all()
+        assert max_abs_err(g, w) <= 1e-5 * max(1.0, np.abs(w).max())
+
+
+@pytest.mark.parametrize("p", [1 - 2.0**-24 / 2, 1 - 1e-6, 1 - 2.0**-13,
+                               np.nextafter(1.0, 0)])
+def test_dropout_rates_24_bits_cannot_hold_are_refused(p):
+    q = np.zeros((1, 4, 4))
+    for fn in (tiled.attention, cpu.attention, reference.attention):
+        with pytest.raises(ValueError, match=r"dropout_p: expected at most"):
+            fn(q, q, q, dropout_p=p, seed=1)
+    with pytest.raises(ValueError, match=r"dropout_p: expected at most"):
+        fl_torch.attention(*(torch.tensor(q),) * 3, dropout_p=p)
+
+
+def test_dropout_kept_fraction_is_within_its_stated_bound():
+    # every rate accepted keeps k / 2**24 of the pairs, within 2**-12 of
+    # 1 - p relatively: the bound dropout's docstring states
+    from flashlab import dropout
+
+    rates = np.concatenate([np.linspace(0, dropout.MAX_RATE, 1001),
+                            dropout.MAX_RATE - np.arange(50) * 1e-9])
+    for p in rates:
+        kept = (2**24 - int(dropout.threshold(p))) / 2**24
+        assert abs(kept - (1 - p)) <= 2.0**-12 * (1 - p), p
+    dropout.make(dropout.MAX_RATE, 0, ())  # the bound itself is taken
+
+
+def test_torch_refuses_float_masks_sdpa_refuses(rng):
+    q = torch.tensor(rng.standard_normal((2, 5, 4)), dtype=torch.float32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        with pytest.raises(TypeError, match="attn_mask: expected a bool "
+                           "mask or a float one of dtype float32"):
+            fl_torch.attention(q, q, q, attn_mask=torch.zeros(
+                5, 5, dtype=dtype))
+    meta = torch.zeros(5, 5, dtype=torch.bool, device="meta")
+    with pytest.raises(ValueError, match="attn_mask: expected a CPU or"):
+        fl_torch.attention(q, q, q, attn_mask=meta)
+    with pytest.raises(ValueError, match="kv_lengths: expected a CPU or"):
+        fl_torch.attention(q, q, q, kv_lengths=torch.ones(
+            2, dtype=torch.int64, device="meta"))
+
+
+def test_zero_key_value_heads_are_refused(rng):
+    q = torch.tensor(rng.standard_normal((2, 4, 5, 8)))
+    kv = torch.zeros(2, 0, 6, 8, dtype=q.dtype)
+    with pytest.raises(ValueError, match="key: expected a number of heads"):
+        fl_torch.attention(q, kv, kv, enable_gqa=True)
+    with pytest.raises(ValueError, match="k: expected leading dims"):
+        tiled.attention(q.numpy(), kv.numpy(), kv.numpy())
+    with pytest.raises(ValueError, match="k: expected a number of heads"):
+        fl_torch.varlen_attention(q[0].transpose(0, 1), kv[0].transpose(
+            0, 1), kv[0].transpose(0, 1), torch.tensor([0, 5]),
+            torch.tensor([0, 6]))
+
+
+def test_batch_zero_with_grouped_heads(rng):
+    q, k, v = qkv(rng, (0, 4), 5, 6, 8, 3)
+    k, v = k[:, :2], v[:, :2]
+    for backend in (tiled, cpu):
+        o, lse = backend.attention(q, k, v, return_lse=True)
+        assert o.shape == (0, 4, 5, 3) and lse.shape == (0, 4, 5)
+        grads = backend.attention_backward(q, k, v, o, lse, o)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    xs = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    fl_torch.attention(*xs, enable_gqa=True).sum().backward()
+    assert [x.grad.shape for x in xs] == [x.shape for x in xs]
+
+
+def test_combine_names_its_bad_arguments():
+    with pytest.raises(ValueError, match="outs: expected an array of one"):
+        merge.combine([np.zeros((3, 2)), np.zeros((4, 2))],
+                      [np.zeros(3), np.zeros(4)])
+    with pytest.raises(TypeError, match="outs: expected a float array"):
+        merge.combine(np.array([None, None]), np.array([None]))
+    with pytest.raises(TypeError, match="lses: expected a float array"):
+        merge.combine(np.zeros((2, 3)), np.array(["a", "b"]))
+    with pytest.raises(ValueError, match=r"outs: expected \(S, \.\.\., d_v"):
+        merge.combine(np.zeros(3), np.zeros(()))
+
+
+def test_varlen_refuses_meta_lengths_and_keeps_gradients_without_keys(rng):
+    q = torch.tensor(rng.standard_normal((5, 2, 4)), requires_grad=True)
+    kv = torch.zeros(0, 2, 4, dtype=q.dtype, requires_grad=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected a CPU"):
+        fl_torch.varlen_attention(q, kv, kv, torch.tensor(
+            [0, 5], device="meta"), torch.tensor([0, 0]))
+    # no sequence has a key: rows of 0, and a backward of zeros (once
+    # the output had no grad_fn and backward raised)
+    o = fl_torch.varlen_attention(q, kv, kv, torch.tensor([0, 2, 5]),
+                                  torch.tensor([0, 0, 0]))
+    assert o.shape == (5, 2, 4) and torch.all(o == 0)
+    q2 = q.detach().clone().requires_grad_()
+    o = fl_torch.varlen_attention(q2, kv, kv, torch.tensor([0, 2, 5]),
+                                  torch.tensor([0, 0, 0]))
+    dq, dkv = torch.autograd.grad(o.sum(), (q2, kv))
+    assert torch.all(dq == 0) and dkv.shape == kv.shape
+
+
+def flash_attn_padded_mask(nq, lengths, nk, left, right, causal):
+    """flash-attn's documented rule, sequence by sequence: query i of a
+    sequence with seqlen_k keys attends keys j (< seqlen_k) with
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q +
+    right, and j <= i + seqlen_k - seqlen_q if causal; -1 = unbounded.
+    Padded keys (j >= seqlen_k) are never attended."""
+    keep = np.zeros((len(lengths), nq, nk), bool)
+    for b, seqlen_k in enumerate(lengths):
+        i = np.arange(nq)[:, None]
+        j = np.arange(seqlen_k)[None, :]
+        diag = i + seqlen_k - nq
+        ok = np.ones((nq, seqlen_k), bool)
+        if left >= 0:
+            ok &= j >= diag - left
+        if right >= 0:
+            ok &= j <= diag + right
+        if causal:
+            ok &= j <= diag
+        keep[b, :, :seqlen_k] = ok
+    return keep
+
+
+@pytest.mark.parametrize("left, right, causal", [
+    (-1, -1, True), (2, 0, False), (3, 1, True), (-1, 2, False)])
+def test_bottom_right_aligns_each_padded_sequence(rng, left, right,
+                                                  causal):
+    lengths = np.array([11, 7, 3, 0, 5])
+    nq, nk = 5, 11
+    q, k, v = qkv(rng, (5, 2), nq, nk, 8, 4)
+    keep = flash_attn_padded_mask(nq, lengths, nk, left, right, causal)
+    want, lse_want = reference.attention(q, k, v, mask=keep[:, None],
+                                         return_lse=True)
+    window = tuple(None if w < 0 else w for w in (left, right))
+    kw = dict(causal=causal, align="bottom_right",
+              kv_lengths=lengths[:, None],
+              window=None if window == (None, None) else window)
+    for name, fn in [("tiled", tiled.attention), ("cpu", cpu.attention),
+                     ("reference", reference.attention)]:
+        o, lse = fn(q, k, v, return_lse=True, block_q=2, block_k=3, **kw) \
+            if name != "reference" else fn(q, k, v, return_lse=True, **kw)
+        assert max_abs_err(o, want) < 1e-12, name
+        assert np.array_equal(np.isneginf(lse), np.isneginf(lse_want)), name
+    o_t = fl_torch.attention(*(torch.tensor(x) for x in (q, k, v)),
+                             **kw).numpy()
+    assert max_abs_err(o_t, want) < 1e-12
+    # the backward follows the same rule: as the explicit mask's
+    do = rng.standard_normal(want.shape)
+    o, lse = tiled.attention(q, k, v, return_lse=True, **kw)
+    grads = tiled.attention_backward(q, k, v, o, lse, do, **kw)
+    masked = tiled.attention_backward(q, k, v, o, lse, do,
+                                      mask=keep[:, None])
+    for g, w in zip(grads, masked):
+        assert max_abs_err(g, w) < 1e-12
+    grads = cpu.attention_backward(q, k, v, o, lse, do, **kw)
+    for g, w in zip(grads, masked):
+        assert max_abs_err(g, w) < 1e-12
+
+
+def test_threads_at_once_give_what_one_at_a_time_gives(rng):
+    # no state shared between calls: eight threads, each its own inputs,
+    # all running together, match the same calls made one by one
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = []
+    for n in range(8):
+        q, k, v = qkv(rng, (2, 2), 9 + n, 11, 8, 4)
+        mask = rng.random((9 + n, 11)) < 0.8
+        cases.append((q, k, v, mask, rng.standard_normal(
+            (2, 2, 9 + n, 4)), dict(dropout_p=0.2 if n % 2 else 0.0,
+                                    seed=n, causal=n % 3 == 0)))
+
+    def run(case):
+        q, k, v, mask, do, kw = case
+        xs = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+        o = fl_torch.attention(*xs, attn_mask=torch.tensor(mask)
+                               if not kw["causal"] else None, **kw)
+        grads = torch.autograd.grad(o, xs, torch.tensor(do))
+        c = cpu.attention(q, k, v, block_q=4, block_k=4, **kw)
+        return [x.detach().numpy() for x in (o, *grads)] + [c]
+
+    alone = [run(c) for c in cases]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(run, cases * 2))
+    for a, t in zip(alone * 2, together):
+        for x, y in zip(a, t):
+            assert np.array_equal(x, y)
