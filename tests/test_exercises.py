@@ -58,3 +58,104 @@ def test_every_exercise_has_cases_with_the_hard_edges():
         assert any("ragged" in c for c in cases)
     cases = {c.name for c in exercises.EXERCISES["online_output"].cases(rng)}
     assert "first chunk masked (-inf)" in cases
+
+
+# Strictness: answers that are wrong in kind, not only in value.
+
+def _right(name):
+    return exercises.solution(name)
+
+
+def test_a_complex_result_is_refused():
+    def complex_output(scores, values):
+        return _right("deferred_division")(scores, values) + 0j
+
+    with pytest.raises(exercises.ExerciseError, match="complex result"):
+        exercises.check("deferred_division", complex_output, seed=0)
+
+
+@pytest.mark.parametrize("name, args_to_text", [
+    ("log_sum_exp", lambda s: str(_right("log_sum_exp")(s))),
+    ("intermediate_bytes",
+     lambda *a: str(_right("intermediate_bytes")(*a))),
+])
+def test_a_numeric_string_is_refused(name, args_to_text):
+    with pytest.raises(exercises.ExerciseError, match="got the text"):
+        exercises.check(name, args_to_text, seed=0)
+
+
+def test_integers_are_compared_exactly():
+    biggest = 2 * 4 * 32 * 4096 * 4096 * 2  # the 8.6e9-byte case
+    assert 8 / biggest < exercises.RTOL  # a relative check would pass it
+
+    def eight_bytes_off(n, heads, batch, itemsize):
+        return _right("intermediate_bytes")(n, heads, batch, itemsize) + 8
+
+    with pytest.raises(exercises.ExerciseError, match="compared exactly"):
+        exercises.check("intermediate_bytes", eight_bytes_off, seed=0)
+    # the right count as a float is still the right count
+    report = exercises.check(
+        "intermediate_bytes",
+        lambda *a: float(_right("intermediate_bytes")(*a)), seed=0)
+    assert report.endswith("cases pass")
+
+
+def test_a_function_that_changes_its_inputs_is_refused():
+    def shifts_in_place(scores, values):
+        scores -= scores.max()  # the caller's array, changed
+        p = np.exp(scores)
+        return (p @ values) / p.sum()
+
+    with pytest.raises(exercises.ExerciseError,
+                       match="changed argument 0 in place"):
+        exercises.check("deferred_division", shifts_in_place, seed=0)
+
+
+def test_the_hint_survives_a_function_that_changes_its_inputs():
+    hint, forgot_rescale = exercises.EXERCISES["online_output"].mistakes[0]
+
+    def forgot_rescale_and_scribbles(scores, values, chunk):
+        out = forgot_rescale(scores, values, chunk)
+        scores[:] = 0.0  # the mistakes must still see the true inputs
+        return out
+
+    with pytest.raises(exercises.ExerciseError) as caught:
+        exercises.check("online_output", forgot_rescale_and_scribbles,
+                        seed=0)
+    assert f"hint: {hint}" in str(caught.value)
+
+
+def test_a_function_that_never_returns_times_out():
+    import threading
+
+    before = threading.active_count()
+
+    def never_returns(scores):
+        while True:
+            pass
+
+    with pytest.raises(exercises.ExerciseError,
+                       match=r"did not return within 0.5 s"):
+        exercises.check("log_sum_exp", never_returns, seed=0, timeout=0.5)
+    assert threading.active_count() == before  # the runaway was stopped
+
+
+def test_masks_compare_exactly_and_take_zeros_and_ones():
+    as_float = exercises.check(
+        "causal_mask",
+        lambda *a: _right("causal_mask")(*a).astype(float), seed=0)
+    assert as_float.endswith("cases pass")
+    with pytest.raises(exercises.ExerciseError, match="compared exactly"):
+        exercises.check("causal_mask",
+                        lambda *a: _right("causal_mask")(*a) * 0.999999,
+                        seed=0)
+
+
+def test_one_module_per_chapter_registered_in_chapter_order():
+    chapters = [ex.chapter for ex in exercises.EXERCISES.values()]
+    assert chapters == sorted(chapters)
+    for ex in exercises.EXERCISES.values():
+        module = ex.solution.__module__
+        assert module == f"flashlab.exercises.chapter{ex.chapter:02d}"
+        assert ex.cases.__module__ == module
+        assert all(w.__module__ == module for _, w in ex.mistakes)
