@@ -265,7 +265,10 @@ def descriptor_fields(desc):
 def wgmma_operand(shared, desc, mn, transposed):
     """Model of what wgmma reads through `desc` from `shared` (1-D 16-bit
     values, element e at byte 2 e): the (mn, 16) K-major operand, or the
-    (16, mn) MN-major one if transposed. Unswizzled core matrices."""
+    (16, mn) MN-major one if transposed. Unswizzled core matrices, or the
+    128-byte swizzle where the descriptor's mode says so."""
+    if int(desc) >> 62 == SWIZZLE_128B:
+        return _operand_128b(shared, desc, mn, transposed)
     start, lbo, sbo = descriptor_fields(desc)
     m = np.arange(mn)[:, None]  # row in M/N
     k = np.arange(16)[None, :]
@@ -305,3 +308,58 @@ def wgmma(a, b, c):
     n = b.shape[1]
     c_m = scatter(c, wgmma_c_places(n), (64, n))
     return gather(a @ b + c_m, wgmma_c_places(n))
+
+
+# The 128-byte swizzle for wgmma (not yet used by a kernel). A tile is
+# stored in panels of 64 16-bit columns (rows of 128 bytes), each 8-row
+# atom of a panel 1024 bytes, 1024-byte aligned; chunk c of row r lies at
+# chunk c ^ (r % 8) of its row, as `swizzled_offset(r, c, 8)` places it
+# and as TMA's 128-byte swizzle delivers it. wgmma applies the same XOR
+# to the addresses of its canonical layout (`wgmma_operand`).
+
+SWIZZLE_128B = 1  # descriptor bits 62-63: the 128-byte swizzle mode
+
+
+def panel_offset(row, chunk, rows):
+    """Byte offset of chunk `chunk` of `row` in a 128-byte-swizzled tile of
+    `rows` rows: panel chunk // 8, then swizzled_offset in the panel."""
+    return (chunk // 8) * rows * 128 + swizzled_offset(row, chunk % 8, 8)
+
+
+def descriptor_128b(address, lbo, sbo):
+    """`descriptor` with the 128-byte swizzle mode in bits 62-63."""
+    return descriptor(address, lbo, sbo) | (SWIZZLE_128B << 62)
+
+
+def k_major_128b(rows):
+    """(LBO, SBO, k-step, panel) in bytes of a panel_offset tile read
+    K-major: LBO unused (16), 8-row atoms 1024 bytes apart, a k-step 32
+    bytes along the row, and 4 k-steps to a panel of rows x 128 bytes."""
+    return 16, 1024, 32, rows * 128
+
+
+def mn_major_128b(rows):
+    """(LBO, SBO, k-step) in bytes of a panel_offset tile read MN-major
+    (V, keys x d_v): panels of 64 columns (N) LBO = rows x 128 apart,
+    8-row atoms (K) 1024 apart, a k-step (16 rows) 2048."""
+    return rows * 128, 1024, 2048
+
+
+def swizzle_address(address):
+    """The 128-byte swizzle of a byte address: bits 4-6 (the 16-byte
+    chunk) XOR bits 7-9 (the row within a 1024-byte atom)."""
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+def _operand_128b(shared, desc, mn, transposed):
+    """wgmma_operand through a 128-byte-swizzled `desc`, shared's index 0
+    at a 1024-byte-aligned address."""
+    start, lbo, sbo = descriptor_fields(desc)
+    m = np.arange(mn)[:, None]
+    k = np.arange(16)[None, :]
+    if transposed:  # a row of 64 M/N values per k, 8 rows to an atom
+        at = start + (m // 64) * lbo + (m % 64) * 2 + (k // 8) * sbo \
+            + (k % 8) * 128
+        return shared[swizzle_address(at).T // 2]
+    at = start + (m // 8) * sbo + (m % 8) * 128 + k * 2
+    return shared[swizzle_address(at) // 2]

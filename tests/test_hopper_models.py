@@ -150,3 +150,79 @@ def test_a_wrong_descriptor_is_caught(rng):
     assert np.array_equal(right, q[:, :16])
     wrong = fr.wgmma_operand(shared, fr.descriptor(0, sbo, lbo), BR, False)
     assert not np.array_equal(wrong, q[:, :16])
+
+
+# the 128-byte swizzle (modelled for the next kernel; v7 reads unswizzled
+# core matrices)
+
+
+def panels(tile):
+    """A tile's 16-bit values stored by fragments.panel_offset (1-D)."""
+    rows, cols = tile.shape
+    shared = np.full(tile.size, np.nan)
+    for r in range(rows):
+        for c in range(cols // 8):
+            at = fr.panel_offset(r, c, rows) // 2
+            shared[at:at + 8] = tile[r, 8 * c:8 * c + 8]
+    assert not np.isnan(shared).any()  # every place written once
+    return shared
+
+
+def test_swizzled_rows_are_the_tma_and_v5_placement():
+    # chunk c of row r at chunk c ^ (r % 8): what TMA's 128-byte swizzle
+    # delivered on the H200 and v5's swizzled_offset at 8 chunks per row
+    for r in range(64):
+        for c in range(8):
+            assert fr.swizzle_address(128 * r + 16 * c) == \
+                128 * r + 16 * (c ^ (r % 8)) == fr.swizzled_offset(r, c, 8)
+    desc = fr.descriptor_128b(0x2400, 16, 1024)
+    assert desc >> 62 == fr.SWIZZLE_128B
+    assert fr.descriptor_fields(desc) == (0x2400, 16, 1024)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_s_through_swizzled_descriptors(rng, d):
+    q, k = rng.standard_normal((BR, d)), rng.standard_normal((BC, d))
+    k_at = BR * d * 2  # a multiple of 1024, as the swizzle needs
+    shared = np.concatenate([panels(q), panels(k)])
+    lbo, sbo, step, panel = fr.k_major_128b(BR)
+    acc = np.zeros((THREADS, BC // 2))
+    for ks in range(d // 16):
+        at = (ks // 4) * panel + (ks % 4) * step  # 4 k-steps a panel
+        a = fr.wgmma_operand(
+            shared, fr.descriptor_128b(at, lbo, sbo), BR, False)
+        bt = fr.wgmma_operand(
+            shared, fr.descriptor_128b(k_at + at, lbo, sbo), BC, False)
+        acc = fr.wgmma(a, bt.T, acc)
+    want = fr.gather(q @ k.T, fr.wgmma_c_places(BC))
+    assert np.allclose(acc, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("d_v", [64, 128])
+def test_p_v_through_swizzled_descriptors(rng, d_v):
+    p, v = rng.standard_normal((BR, BC)), rng.standard_normal((BC, d_v))
+    shared = panels(v)
+    lbo, sbo, step = fr.mn_major_128b(BC)
+    acc = np.zeros((THREADS, d_v // 2))
+    for kp in range(KP):
+        b = fr.wgmma_operand(
+            shared, fr.descriptor_128b(kp * step, lbo, sbo), d_v, True)
+        assert np.array_equal(b, v[16 * kp:16 * kp + 16])
+        acc = fr.wgmma(p[:, 16 * kp:16 * kp + 16], b, acc)
+    assert np.allclose(acc, fr.gather(p @ v, fr.wgmma_c_places(d_v)),
+                       rtol=0, atol=1e-12)
+
+
+def test_a_swizzled_tile_read_without_the_swizzle_is_caught(rng):
+    # the same byte offsets without the mode bits read other elements:
+    # the model honours the descriptor's mode, or the checks above could
+    # not fail
+    q = rng.standard_normal((BR, 64))
+    shared = panels(q)
+    lbo, sbo, _, _ = fr.k_major_128b(BR)
+    swizzled = fr.descriptor_128b(0, lbo, sbo)
+    assert np.array_equal(fr.wgmma_operand(shared, swizzled, BR, False),
+                          q[:, :16])
+    plain = fr.descriptor(0, lbo, sbo)
+    assert not np.array_equal(fr.wgmma_operand(shared, plain, BR, False),
+                              q[:, :16])
