@@ -27,13 +27,18 @@ KINDS = {"bf16": "bf16", "f16": "f16"}  # the PTX type of each 16-bit kind
 
 
 def _elements(context, builder, arr_type, arr, count):
-    """Pointers to elements 0..count-1 of a C-contiguous local array."""
+    """Pointers to elements 0..count-1 of a C-contiguous local array (the
+    caller's array must hold count: a local array's shape is not part of
+    its numba type)."""
     data = context.make_array(arr_type)(context, builder, value=arr).data
     return [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
 
 
 def _product(body, registers):
-    """One asm block: fence, `steps` wgmmas, commit, wait for them."""
+    """One asm block: fence, the wgmmas of `body`, commit, wait for them.
+
+    Predicate z (false) as scale-d makes a wgmma ignore the accumulator's
+    old values (D = A B), p (true) adds to them (D = A B + D)."""
     return "\n\t".join(["{", ".reg .pred z, p;", f".reg .b64 {registers};",
                         "setp.ne.b32 z, 0, 0;", "setp.ne.b32 p, 1, 0;",
                         "wgmma.fence.sync.aligned;", *body,
@@ -47,7 +52,8 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0):
     mma_ss(...)(acc, desc_a, desc_b): acc a float32 local array of n / 2
     (C-contiguous, register r at flat index r), desc_a and desc_b uint64
     descriptors of k-step 0; k-step s reads a_step, b_step bytes further
-    on (compile-time constants). trans_b = 1 reads B MN-major.
+    on (compile-time constants). trans_b = 1 reads B MN-major. k-step 0
+    ignores acc's old values (scale-d false): nothing needs zeroing.
     """
     regs = n // 2
     d = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
