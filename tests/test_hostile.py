@@ -291,6 +291,15 @@ def test_leading_dims_broadcast_from_the_right(rng, shapes):
     assert max_abs_err(reference.attention(q, k, v), want[0]) < 1e-12
 
 
+def test_cpu_kernels_refuse_broadcasts_they_do_not_index(rng):
+    # the numba kernels index k and v by q's batch element (or its
+    # group): other broadcasts are refused by name, never mispaired
+    q, k, v = (rng.standard_normal(s) for s in RANKS[0])
+    with pytest.raises(ValueError, match="other broadcasts run on "
+                       "flashlab.tiled and flashlab.torch"):
+        cpu.attention(q, k, v)
+
+
 @pytest.mark.parametrize("fill", ["finfo.min", -1e30, -3.4e38, -1e9])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_large_negative_masks_have_the_forward_s_gradient(rng, fill, dtype):
