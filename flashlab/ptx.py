@@ -118,7 +118,8 @@ def report(head_dims=HEAD_DIMS, only=()):
             if not gpu.supports(name, d, dv):
                 continue
             ptx = gpu.compile_ptx(name, d, dv)
-            out[f"{name} {d} {dv}"] = {"f64": float64_ops(ptx),
+            out[f"{name} {d} {dv}"] = {"abi": abi_matches(name, ptx),
+                                       "f64": float64_ops(ptx),
                                        "shared": shared_bytes(ptx),
                                        "exp": fast_exps(ptx),
                                        "mma": tensor_ops(ptx),
@@ -127,6 +128,39 @@ def report(head_dims=HEAD_DIMS, only=()):
                                           dict.fromkeys(ASSEMBLED))}
     out.update(literal_demo())
     return out
+
+
+def abi_matches(name, ptx):
+    """Whether launch.Layout packs kernel `name`'s parameters as its PTX
+    declares them (same count, widths and float/int kinds, in order)."""
+    from flashlab.gpu import build, launch
+
+    layout = launch.Layout.of(build.signature(name))
+    return launch.code_kinds(layout.codes) == launch.ptx_params(ptx)
+
+
+def arch_table(d=64, d_v=64):
+    """{kernel: {"7.5": bool, ...}}: whether ptxas assembles the kernel
+    for each compute capability of registry.ARCHITECTURES, from PTX
+    compiled for that target (sm_90a for Hopper), every kernel and
+    helper the registry holds."""
+    from flashlab.gpu import build, launch, registry
+
+    table = {}
+    for spec in registry.KERNELS:
+        row = {}
+        for cc, _ in registry.ARCHITECTURES:
+            target = launch.target(cc)
+            try:
+                assemble(build.compile_ptx(spec.name, d, d_v, target),
+                         target)
+                row[f"{cc[0]}.{cc[1]}"] = True
+            except RuntimeError as error:
+                if "ptxas failed" not in str(error):
+                    raise
+                row[f"{cc[0]}.{cc[1]}"] = False
+        table[spec.name] = row
+    return table
 
 
 def _with_literal(x, m):
@@ -182,21 +216,17 @@ def resources(head_dims=HEAD_DIMS):
         for d, dv in head_dims:
             if not gpu.supports(name, d, dv):
                 continue
-            compiled = build.kernel(name, d, dv).compile(
-                build.signature(name))
-            out[f"{name} {d} {dv}"] = {
-                "regs": compiled.regs_per_thread,
-                "local": compiled.local_mem_per_thread,
-                "shared": compiled.shared_mem_per_block}
+            out[f"{name} {d} {dv}"] = build.kernel(name, d, dv).resources()
     return out
 
 
-def run_report(timeout=900, only=()):
+def run_report(timeout=900, only=(), what=None):
     """`report(only=only)` computed in a fresh process without the
-    simulator."""
+    simulator (or, with what="--arch", `arch_table()`)."""
     env = {k: v for k, v in os.environ.items()
            if k != "NUMBA_ENABLE_CUDASIM"}
     args = ["--only", ",".join(only)] if only else []
+    args += [what] if what else []
     done = subprocess.run([sys.executable, "-m", "flashlab.ptx", *args],
                           env=env,
                           capture_output=True, text=True, timeout=timeout,
@@ -209,5 +239,9 @@ def run_report(timeout=900, only=()):
 if __name__ == "__main__":
     only = (sys.argv[sys.argv.index("--only") + 1].split(",")
             if "--only" in sys.argv else ())
-    print(json.dumps(resources() if "--resources" in sys.argv
-                     else report(only=only)))
+    if "--resources" in sys.argv:
+        print(json.dumps(resources()))
+    elif "--arch" in sys.argv:
+        print(json.dumps(arch_table()))
+    else:
+        print(json.dumps(report(only=only)))

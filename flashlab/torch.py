@@ -43,6 +43,11 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  options: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward as one opaque op: (o, lse). options: `_encode`'s JSON
     of the keywords that are not tensors; seed a CPU int64 scalar."""
+    return _forward(q, k, v, mask, kv_lengths, seed, options)
+
+
+def _forward(q, k, v, mask, kv_lengths, seed, options):
+    """(o, lse) on q's device: flashlab.gpu for CUDA, tiled for CPU."""
     kw = _decode(options, mask, kv_lengths, seed)
     splits = kw.pop("num_splits")
     if q.is_cuda:
@@ -71,6 +76,12 @@ def attention_backward_op(
         options: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward as one opaque op: (dq, dk, dv) in q, k, v's dtypes,
     recomputing score tiles from q, k, v, o and lse."""
+    return _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed,
+                        options)
+
+
+def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
+    """(dq, dk, dv) on q's device, each in its input's dtype."""
     kw = _decode(options, mask, kv_lengths, seed)
     del kw["num_splits"]  # one backward loop follows any split forward
     if q.is_cuda:
@@ -122,6 +133,35 @@ def _no_vmap(info, in_dims, *args):
         "dim instead)")
 
 
+class _Eager(torch.autograd.Function):
+    """The same forward and backward for eager calls, which skip the
+    custom op's dispatch (its own host time is several times a launch);
+    torch.compile and torch.func see the ops instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, kv_lengths, seed, options):
+        o, lse = _forward(q, k, v, mask, kv_lengths, seed, options)
+        _setup_context(ctx, (q, k, v, mask, kv_lengths, seed, options),
+                       (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_SECOND_ORDER)
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward_of(q, k, v, o, lse, do, *ctx.rest)
+        return dq, dk, dv, None, None, None, None
+
+
+def _call(*args):
+    """attention_op inside torch.compile and torch.func, _Eager outside."""
+    if torch.compiler.is_compiling() or \
+            torch._C._are_functorch_transforms_active():
+        return attention_op(*args)
+    return _Eager.apply(*args)
+
+
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 attention_backward_op.register_autograd(
     _no_second_order, setup_context=lambda ctx, inputs, output: None)
@@ -139,9 +179,24 @@ def _encode(options):
     key = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
     text = _encoded.get(key)
     if text is None:
-        text = _encoded[key] = json.dumps(dict(options), sort_keys=True)
+        for name, x in options.items():
+            try:
+                json.dumps(x, default=_plain)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"{name}: expected a number, string, None or a list of"
+                    f" them, got {type(x).__name__} {x!r}") from None
+        text = _encoded[key] = json.dumps(dict(options), sort_keys=True,
+                                          default=_plain)
         _decoded[text] = json.loads(text)
     return text
+
+
+def _plain(x):
+    """A numpy scalar as the Python number JSON takes."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"not a JSON value: {type(x).__name__}")
 
 
 def _hashable(x):
@@ -203,6 +258,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
             raise ValueError("attn_mask: expected a mask that needs no "
                              "gradient; flashlab computes none for it")
         _check_mask_dtype(mask, q)
+        _host_numpy("attn_mask", mask.reshape(-1)[:0])  # device check
     elif mask is not None:  # numpy or nested lists, as tiled takes
         mask = torch.as_tensor(np.asarray(mask))
     if kv_lengths is not None:
@@ -219,7 +275,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
         causal=False if causal is None else causal, window=window,
         align=align, dropout_p=dropout_p, order=order,
         num_splits=num_splits, seed=seed))
-    o, lse = attention_op(q, k, v, mask, kv_lengths, seed_t, options)
+    o, lse = _call(q, k, v, mask, kv_lengths, seed_t, options)
     return (o, lse) if return_lse else o
 
 
@@ -290,6 +346,8 @@ def _broadcast(q, k, v, enable_gqa):
     copies), and autograd sums their gradients back to the caller's
     shapes.
     """
+    if q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        return q, k, v  # nothing to broadcast (the common case)
     grouped = (enable_gqa and q.dim() >= 3 and k.dim() >= 3
                and k.shape[-3] != q.shape[-3])
     if grouped:

@@ -21,6 +21,7 @@ package, in the order chapters 9 and 10 read it:
 """
 
 import math
+import numbers
 
 import numpy as np
 
@@ -95,6 +96,15 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
     Each version fixes its tile sizes
     (`tile_shape`): block_q and block_k may only restate them.
     """
+    options = dict(block_q=block_q, block_k=block_k, scale=scale,
+                   causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, align=align)
+    fast = _fast_key(q, k, v, (version, precision, order, num_splits),
+                     options)
+    plan = _plans.get(fast) if fast is not None else None
+    if plan is not None:  # checked when the plan was made: same key
+        o, lse = plan(q, k, v, seed)
+        return (o, lse) if return_lse is True else o
     tiled.check_order(order, ORDERS)
     return_lse = check_flag("return_lse", return_lse)
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
@@ -107,18 +117,13 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                         seed=seed, return_lse=return_lse, order=order,
                         num_splits=num_splits, version=DEFAULT_VERSION,
                         align=align)
-    fast = _fast_key(q, k, v, version, dtype, precision, num_splits, dict(
-        block_q=block_q, block_k=block_k, scale=scale, causal=causal,
-        mask=mask, window=window, kv_lengths=kv_lengths,
-        dropout_p=dropout_p, align=align))
-    if fast is not None:
-        plan = _plans.get(fast)
-        if plan is None:
-            plan = _plans[fast] = _ForwardPlan(
-                q, k, v, version, dtype, precision, dict(
-                    scale=scale, causal=causal, mask=None, window=window,
-                    kv_lengths=None, dropout_p=dropout_p, seed=seed,
-                    align=align), block_q, block_k)
+    if fast is not None and version in TENSOR_CORE_VERSIONS \
+            and num_splits == 1:
+        plan = _plans[fast] = _ForwardPlan(
+            q, k, v, version, dtype, precision, dict(
+                scale=scale, causal=causal, mask=None, window=window,
+                kv_lengths=None, dropout_p=dropout_p, seed=seed,
+                align=align), block_q, block_k)
         o, lse = plan(q, k, v, seed)
         return (o, lse) if return_lse else o
     if num_splits == "auto" and version in SPLIT_VERSIONS:
@@ -148,7 +153,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
         if version in TENSOR_CORE_VERSIONS:  # they apply the rule of
             # flashlab.nonfinite themselves, given V's bad columns
             if dtype in HALF_BITS:
-                arrays[3] = o_k.view(np.int32)  # 16-bit pairs
+                arrays[3] = _pairs(o_k)  # 16-bit pairs
             arrays.append(call.bad_columns(vk, dtype))
         kernel(name, d, d_v)[
             (math.ceil(call.nq / br), call.bh), threads, call.stream](
@@ -271,11 +276,23 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     `backward_v5`, with lse float32 as the forward returns it and float32
     gradients.
     """
-    tiled.check_order(order)  # one backward loop follows either forward
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    align=align)
+    fast = _fast_key(q, k, v, ("backward", order),
+                     dict(options, block_q=block_q, block_k=block_k),
+                     saved=(o, lse, do))
+    plan = _plans.get(fast) if fast is not None else None
+    if plan is not None:  # checked when the plan was made: same key
+        return plan(q, k, v, o, lse, do, seed)
+    tiled.check_order(order)  # one backward loop follows either forward
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    if dtype in HALF_BITS and not _device_runs("backward_v5_dq_bf16"):
+        # no 16-bit tensor-core backward on this GPU: float32 kernels
+        return attention_backward(
+            *(x.float() if hasattr(x, "float") else x.astype(np.float32)
+              for x in (q, k, v, o, lse, do)), block_q=block_q,
+            block_k=block_k, order=order, **options)
     if dtype in HALF_BITS:
         if d not in backward_v5.HEAD_DIMS or d_v not in backward_v5.HEAD_DIMS:
             raise ValueError(
@@ -284,6 +301,11 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"float32 copies")
         _check_fixed_blocks("backward_v5", block_q, backward_v5.BR,
                             block_k, backward_v5.BC)
+        if fast is not None:
+            _check_saved16(o, lse, do, q, dtype, d_v)
+            plan = _plans[fast] = _BackwardPlan(q, k, v, o, lse, do, dtype,
+                                                options)
+            return plan(q, k, v, o, lse, do, seed)
         return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options)
     if dtype != "float32":
         raise TypeError(f"q: expected float32, bfloat16 or float16 for "
@@ -323,15 +345,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
 
 def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     """The tensor-core backward (backward_v5) of 16-bit q, k, v, o, dO."""
-    out_shape = (*q.shape[:-1], d_v)
-    for name, x, shape in (("o", o, out_shape), ("do", do, out_shape),
-                           ("lse", lse, tuple(q.shape[:-1]))):
-        if tuple(x.shape) != tuple(shape):
-            raise ValueError(f"{name}: expected shape {shape}, got "
-                             f"{tuple(x.shape)}")
-        want = "float32" if name == "lse" else dtype
-        if str(x.dtype).removeprefix("torch.") != want:
-            raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+    _check_saved16(o, lse, do, q, dtype, d_v)
     _refuse_simulator("q: the 16-bit backward (backward_v5)")
     call = _Call(q, k, v, options)
     if not (call.torch or call.numpy):
@@ -366,6 +380,27 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     return (call.result(dq, (*call.heads, nq, d)),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _check_saved16(o, lse, do, q, dtype, d_v):
+    """o and do of q's 16-bit dtype and shape (d_v wide), lse float32."""
+    out_shape = (*q.shape[:-1], d_v)
+    for name, x, shape in (("o", o, out_shape), ("do", do, out_shape),
+                           ("lse", lse, tuple(q.shape[:-1]))):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {shape}, got "
+                             f"{tuple(x.shape)}")
+        want = "float32" if name == "lse" else dtype
+        if str(x.dtype).removeprefix("torch.") != want:
+            raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+
+
+def _device_runs(name):
+    """Whether this GPU (any, on the simulator) runs kernel `name`."""
+    from numba import config
+
+    return config.ENABLE_CUDASIM or registry.get(name).runs_on(
+        launch.device_cc())
 
 
 def _refuse_simulator(what):
@@ -687,29 +722,31 @@ def _stream(tensor):
 _plans = {}
 
 
-def _fast_key(q, k, v, version, dtype, precision, num_splits, options):
-    """The plan key of a call the cached path can run, else None.
+def _fast_key(q, k, v, choice, options, saved=()):
+    """The plan key of a call a cached plan may run, else None.
 
-    It runs the tensor-core forwards on contiguous, 16-byte aligned
+    Plans run the tensor-core kernels on contiguous, 16-byte aligned
     torch CUDA tensors with no mask or padding arrays (their values
-    would be part of the key) and no split-KV; everything else takes the
-    general path below, which validates every call from scratch.
+    would be part of the key); everything else takes the general path,
+    which validates every call from scratch. The key holds everything
+    the checks read, so a call that finds a plan needs none of them.
     """
     from numba import config
 
-    if (config.ENABLE_CUDASIM or version not in TENSOR_CORE_VERSIONS
-            or num_splits != 1 or options["mask"] is not None
+    if (config.ENABLE_CUDASIM or options["mask"] is not None
             or options["kv_lengths"] is not None
-            or not type(q).__module__.startswith("torch")):
+            or not all(type(x).__module__.startswith("torch")
+                       for x in (q, k, v, *saved))):
         return None
-    for x in (q, k, v):
+    for x in (q, k, v, *saved):
         if (not x.is_contiguous() or x.data_ptr() % 16 or not x.numel()
                 or x.device != q.device):
             return None
     window = options["window"]
     try:
-        key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), dtype,
-               q.device.index, version, precision,
+        key = (*(tuple(x.shape) for x in (q, k, v, *saved)),
+               *(x.dtype for x in (q, k, v, *saved)), q.device.index,
+               choice,
                None if window is None else tuple(window),
                *(options[n] for n in ("block_q", "block_k", "scale",
                                       "causal", "dropout_p", "align")))
@@ -717,6 +754,15 @@ def _fast_key(q, k, v, version, dtype, precision, num_splits, options):
     except TypeError:  # an unhashable option: validated the long way
         return None
     return key
+
+
+def _pairs(x):
+    """A 16-bit output seen as int32 pairs, as v5 stores it."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.view(torch.int32)
+    return x.view(np.int32)
 
 
 class _ForwardPlan:
@@ -801,10 +847,85 @@ class _ForwardPlan:
                                  self._per_query_head(bad))):
             main.point(arg, x.data_ptr())
         if self.rules.use_dropout:
-            if isinstance(seed, bool) or not isinstance(seed, int) or \
-                    not 0 <= seed < 2**64:
-                raise ValueError(f"seed: expected an integer in [0, "
-                                 f"2**64) when dropout_p > 0, got {seed!r}")
-            main.put(6, self.rules._fields.index("seed"), "Q", seed)
+            _check_seed(seed)
+            main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
         return o, lse
+
+
+class _BackwardPlan:
+    """backward_v5 of one (shapes, dtype, options), prepared as
+    _ForwardPlan is: a call computes D = rowsum(dO o O) with torch,
+    allocates the float32 gradients and launches the dK/dV and dQ
+    kernels from their packed buffers."""
+
+    def __init__(self, q, k, v, o, lse, do, dtype, options):
+        _refuse_simulator("q: the 16-bit backward (backward_v5)")
+        call = _Call(q, k, v, options)
+        d, d_v = q.shape[-1], v.shape[-1]
+        self.call, self.d, self.d_v = call, d, d_v
+        self.rules = call.args[0]
+        kind = "bf16" if dtype == "bfloat16" else "f16"
+        bh, nq, nk = call.bh, call.nq, call.nk
+        self.grids = ((math.ceil(nk / backward_v5.BC), bh),
+                      (math.ceil(nq / backward_v5.BR), bh))
+        self.shapes = ((*call.heads, nq, d), (*call.heads, nk, d),
+                       (*call.heads, nk, d_v))
+        self.out_shapes = (self.shapes[0], (*k.shape[:-2], nk, d),
+                           (*v.shape[:-2], nk, d_v))
+        import torch
+
+        bits = [x.view(torch.int16) for x in (q, k, v, do)]
+        inputs = [bits[0].view(bh, nq, d),
+                  bits[1].view(call.bh_kv, nk, d),
+                  bits[2].view(call.bh_kv, nk, d_v),
+                  bits[3].view(bh, nq, d_v), lse.view(bh, nq),
+                  self._delta(do, o).view(bh, nq)]
+        dq, dk, dv = self._grads(q)
+        self.dkv = kernel(f"backward_v5_dkv_{kind}", d, d_v).pack(
+            *inputs, dk.view(bh, nk, d), dv.view(bh, nk, d_v), *call.args)
+        self.dq = kernel(f"backward_v5_dq_{kind}", d, d_v).pack(
+            *inputs, dq.view(bh, nq, d), *call.args)
+
+    @staticmethod
+    def _delta(do, o):
+        """D_i = rowsum(dO_i o O_i) in float32, by torch."""
+        return (do.float() * o.float()).sum(-1)
+
+    def _grads(self, q):
+        """Fresh float32 dq and per-query-head dk, dv."""
+        import torch
+
+        grads = [torch.empty(s, dtype=torch.float32, device=q.device)
+                 for s in self.shapes]
+        if POISON_OUTPUTS:
+            for g in grads:
+                g.fill_(float("nan"))
+        return grads
+
+    def __call__(self, q, k, v, o, lse, do, seed):
+        delta = self._delta(do, o)
+        dq, dk, dv = self._grads(q)
+        stream = _stream(q)
+        inputs = (q, k, v, do, lse, delta)
+        for packed, outs in ((self.dkv, (dk, dv)), (self.dq, (dq,))):
+            for arg, x in enumerate((*inputs, *outs)):
+                packed.point(arg, x.data_ptr())
+            if self.rules.use_dropout:
+                _check_seed(seed)
+                packed.put(len(inputs) + len(outs),
+                           self.rules._fields.index("seed"), "Q", int(seed))
+        self.dkv.launch(self.grids[0], warp.THREADS, stream)
+        self.dq.launch(self.grids[1], warp.THREADS, stream)
+        dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
+                  for g in (dk, dv))
+        return (dq, dk.view(self.out_shapes[1]),
+                dv.view(self.out_shapes[2]))
+
+
+def _check_seed(seed):
+    """A dropout seed as the packed rules hold it: 0 <= seed < 2**64."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected an integer in [0, 2**64) when "
+                         f"dropout_p > 0, got {seed!r}")

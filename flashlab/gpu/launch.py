@@ -139,12 +139,11 @@ def array_values(x, ty, name):
         shape, itemsize = tuple(face["shape"]), np_dtype.itemsize
         strides = face.get("strides") or _c_strides(shape, itemsize)
         dtype, ptr, on_cuda = np_dtype.name, face["data"][0], True
-    want = str(ty.dtype).replace("bool", "bool")
+    want = "bool" if str(ty.dtype) == "boolean" else str(ty.dtype)
     if not on_cuda:
         raise ValueError(f"{name}: expected a CUDA array, got one on the "
                          f"host")
-    if (dtype != want and not (want == "boolean" and dtype == "bool")) \
-            or len(shape) != ty.ndim:
+    if dtype != want or len(shape) != ty.ndim:
         raise TypeError(f"{name}: expected {ty.ndim}-d {want}, got "
                         f"{len(shape)}-d {dtype}")
     if ty.layout == "C" and strides != _c_strides(shape, itemsize) \
@@ -237,6 +236,23 @@ class DriverKernel:
     def pack(self, *args):
         """A `Packed` buffer for these arguments."""
         return Packed(self, args)
+
+    def resources(self):
+        """{"regs", "local", "shared"}: registers and local (spilled)
+        bytes per thread, static shared bytes per block, as the driver
+        assembled this kernel for the device."""
+        from cuda.bindings import driver
+
+        attribute = driver.CUfunction_attribute
+        out = {}
+        for key, which in (
+                ("regs", attribute.CU_FUNC_ATTRIBUTE_NUM_REGS),
+                ("local", attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+                ("shared", attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)):
+            err, value = driver.cuFuncGetAttribute(
+                which, driver.CUfunction(self.handle))
+            out[key] = int(value)
+        return out
 
     def __getitem__(self, config):
         grid, block, stream = (tuple(config) + (0,))[:3]

@@ -1,0 +1,189 @@
+"""The launch path and the torch op on a real GPU: cached plans reused
+with new data, torch.compile(fullgraph=True), CUDA-graph capture, other
+streams, the disk cache in a new process, and the ABI against the PTX
+the driver loaded.
+
+Budgets are those of test_gpu_tensor_cores: P and O rounded to 16 bits
+(u/2 each), twice over, against float64 on the same 16-bit inputs.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flashlab import gpu, reference
+from flashlab.gpu import build, launch, registry
+from helpers import max_abs_err
+
+pytestmark = pytest.mark.gpu
+U_BF16 = 2.0**-8
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+def bf16_qkv(rng, shape_q, shape_kv, d=64):
+    import torch
+
+    return [torch.tensor(rng.standard_normal((*s, d)),
+                         dtype=torch.bfloat16, device="cuda")
+            for s in (shape_q, shape_kv, shape_kv)]
+
+
+def check_bf16(o, q, k, v, **opts):
+    wide = [x.double().cpu().numpy() for x in (q, k, v)]
+    o_ref = reference.attention(*wide, **opts)
+    got = o.double().cpu().numpy()
+    assert not np.isnan(got).any()
+    budget = U_BF16 * (np.abs(wide[2]).max() + np.abs(o_ref).max())
+    assert max_abs_err(got, o_ref) <= budget
+
+
+def test_cached_plan_is_reused_with_new_data(rng):
+    import torch
+
+    gpu._plans.clear()
+    for _ in range(3):  # one plan; every call's data through its buffer
+        q, k, v = bf16_qkv(rng, (2, 4, 200), (2, 4, 200))
+        o = gpu.attention(q, k, v, causal=True)
+        check_bf16(o, q, k, v, causal=True)
+    assert len(gpu._plans) == 1
+    torch.cuda.synchronize()
+
+
+def test_cached_plan_grouped_heads_and_dropout_seeds(rng):
+    import torch
+
+    q, k, v = bf16_qkv(rng, (2, 8, 130), (2, 2, 170))
+    o = gpu.attention(q, k, v)
+    check_bf16(o, q, k, v)
+    a = gpu.attention(q, k, v, dropout_p=0.3, seed=5)
+    b = gpu.attention(q, k, v, dropout_p=0.3, seed=6)
+    again = gpu.attention(q, k, v, dropout_p=0.3, seed=5)
+    assert torch.equal(a, again) and not torch.equal(a, b)
+    # the general path (a padding array takes it) agrees bit for bit
+    full = np.full((2, 8), 170)
+    slow = gpu.attention(q, k, v, dropout_p=0.3, seed=6, kv_lengths=full)
+    assert torch.equal(b, slow)
+
+
+def test_nonfinite_v_through_the_cached_plan(rng):
+    q, k, v = bf16_qkv(rng, (1, 2, 70), (1, 2, 90))
+    gpu.attention(q, k, v)  # the plan exists; now V holds an inf
+    v[0, 1, 40, 3] = float("inf")
+    o = gpu.attention(q, k, v).float().cpu().numpy()
+    assert np.isnan(o[0, 1, :, 3]).all()
+    assert not np.isnan(np.delete(o[0, 1], 3, axis=-1)).any()
+    assert not np.isnan(o[0, 0]).any()
+
+
+def test_another_stream(rng):
+    import torch
+
+    q, k, v = bf16_qkv(rng, (2, 2, 300), (2, 2, 300))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o = gpu.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    check_bf16(o, q, k, v, causal=True)
+
+
+def test_torch_compile_fullgraph_forward_and_backward(rng):
+    import torch
+
+    from flashlab import torch as fl_torch
+
+    q, k, v = (x.requires_grad_() for x in bf16_qkv(rng, (2, 4, 256),
+                                                    (2, 4, 256)))
+
+    def step(q, k, v):
+        return fl_torch.attention(q, k, v, is_causal=True).float().sum()
+
+    eager = step(q, k, v)
+    grads = torch.autograd.grad(eager, (q, k, v))
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(q, k, v)
+    got_grads = torch.autograd.grad(got, (q, k, v))
+    assert torch.equal(got, eager)
+    for g, h in zip(got_grads, grads):
+        assert torch.equal(g, h)
+
+
+def test_cuda_graph_training_step_replays(rng):
+    import torch
+
+    from flashlab import torch as fl_torch
+
+    q, k, v = (x.requires_grad_() for x in bf16_qkv(rng, (1, 4, 128),
+                                                    (1, 4, 128)))
+    do = torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        o = fl_torch.attention(q, k, v, is_causal=True)
+        o.backward(do)
+        return o
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = step()
+    with torch.no_grad():
+        for x in (q, k, v):
+            x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = (o.clone(), q.grad.clone(), k.grad.clone(), v.grad.clone())
+    eager_o = step()
+    eager = (eager_o, q.grad, k.grad, v.grad)
+    for a, b in zip(replayed, eager):
+        assert torch.equal(a, b)
+
+
+def test_driver_loaded_kernels_match_their_abi():
+    cc = launch.target(launch.device_cc())
+    for name in ("forward_v5_bf16", "backward_v5_dq_bf16", "row_dot"):
+        ptx = launch.cached_ptx(name, 64, 64, cc,
+                                lambda n=name: build.compile_ptx(n, 64, 64,
+                                                                 cc))
+        layout = launch.Layout.of(build.signature(name))
+        assert launch.code_kinds(layout.codes) == launch.ptx_params(ptx)
+        res = build.kernel(name, 64, 64).resources()
+        assert res["regs"] > 0 and res["local"] == 0, (name, res)
+    # on Hopper the loaded modules are sm_90a ones
+    if cc[:2] == (9, 0):
+        assert ".target sm_90a" in build.compile_ptx("row_dot", 0, 0, cc)
+
+
+def test_new_process_loads_from_the_disk_cache(tmp_path):
+    code = ("import time, torch; t = time.perf_counter(); "
+            "from flashlab import gpu; "
+            "q = torch.randn(1, 2, 64, 64, device='cuda', "
+            "dtype=torch.bfloat16); gpu.attention(q, q, q); "
+            "torch.cuda.synchronize(); print(time.perf_counter() - t)")
+    env = dict(os.environ, FLASHLAB_CACHE_DIR=str(tmp_path))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    times = [float(subprocess.run([sys.executable, "-c", code], env=env,
+                                  capture_output=True, text=True,
+                                  check=True).stdout.split()[-1])
+             for _ in range(2)]
+    assert any(tmp_path.iterdir())
+    print(f"cold start: {times[0]:.2f} s compiling, {times[1]:.2f} s "
+          f"from the cache")
+
+
+def test_best_version_on_this_gpu():
+    cc = launch.device_cc()
+    assert gpu._check_version(None, "bfloat16", 64, 64) == \
+        registry.best_version("bfloat16", 64, 64, cc)

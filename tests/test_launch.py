@@ -1,0 +1,164 @@
+"""The launch path without a GPU: the packed parameters against each
+kernel's PTX, the per-architecture table against ptxas, the disk cache,
+and the version a device of each compute capability gets."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from flashlab import gpu, ptx
+from flashlab.gpu import build, launch, registry
+
+
+class FakeDeviceArray:
+    """Just enough of a device array for the packer: its interface."""
+
+    def __init__(self, shape, dtype, ptr, strides=None):
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": np.dtype(dtype).str,
+            "data": (ptr, False), "strides": strides, "version": 3}
+
+
+@pytest.fixture(scope="module")
+def arch():
+    return ptx.run_report(what="--arch")
+
+
+def test_every_kernel_packs_as_its_ptx_declares():
+    report = ptx.run_report(only=("forward_v5_bf16", "forward_v3",
+                                  "backward_v5_dkv_f16", "combine"))
+    assert report and all(r["abi"] for k, r in report.items()
+                          if not k.startswith("demo")), report
+
+
+def test_arch_table_is_what_ptxas_assembles(arch):
+    # every kernel the registry says a GPU runs assembles for it, and
+    # every one it refuses does not: the tensor-core kernels need 8.0
+    for spec in registry.KERNELS:
+        for cc, _ in registry.ARCHITECTURES:
+            assert arch[spec.name][f"{cc[0]}.{cc[1]}"] == spec.runs_on(cc), (
+                spec.name, cc)
+    assert not arch["forward_v5_bf16"]["7.5"]
+    assert arch["forward_v5_bf16"]["9.0"]
+
+
+@pytest.mark.parametrize("cc, dtype, d, want", [
+    ((7, 5), "float32", 64, 3), ((7, 5), "bfloat16", 64, None),
+    ((8, 0), "float32", 64, 6), ((8, 0), "float32", 96, 3),
+    ((8, 6), "float16", 128, 5), ((8, 9), "bfloat16", 64, 5),
+    ((9, 0), "bfloat16", 128, 5), ((9, 0), "bfloat16", 32, None),
+])
+def test_best_version_per_gpu(cc, dtype, d, want):
+    assert registry.best_version(dtype, d, d, cc) == want
+
+
+def test_explicit_version_the_gpu_cannot_run_is_refused(monkeypatch):
+    from numba import config
+
+    monkeypatch.setattr(config, "ENABLE_CUDASIM", False)
+    monkeypatch.setattr(launch, "device_cc", lambda: (7, 5))
+    with pytest.raises(ValueError, match=r"version: v5 needs compute "
+                                         r"capability 8\.0 .* 7\.5"):
+        gpu._check_version(5, "bfloat16", 64, 64)
+    assert gpu._check_version(3, "float32", 64, 64) == 3
+    # 16-bit inputs on a T4: None, which attention widens to float32
+    assert gpu._check_version(None, "bfloat16", 64, 64) is None
+
+
+def test_hopper_compiles_for_sm90a():
+    assert launch.target((9, 0)) == (9, 0, "a")
+    assert launch.target((8, 6)) == (8, 6)
+    assert launch.arch_name((9, 0, "a")) == "sm_90a"
+
+
+def test_layout_aligns_every_parameter():
+    from numba import boolean, float32, int16, int64, uint8
+
+    layout = launch.Layout.of((int16[:, ::1], boolean, float32, int64,
+                               uint8))
+    # array: 5 fields and 2 + 2 dims, 8-byte values from offset 0
+    assert layout.offsets[:9] == tuple(range(0, 72, 8))
+    bool_at, f32_at, i64_at, u8_at = layout.offsets[9:]
+    assert (bool_at, f32_at, i64_at, u8_at) == (72, 76, 80, 88)
+    assert layout.fmt.size % 8 == 0
+
+
+def test_packed_buffer_holds_numba_abi_and_points_only_data(rng):
+    from numba import float32, int64
+
+    argtypes = (float32[:, :, ::1], int64, float32)
+    kernel = launch.DriverKernel("k", 0, argtypes, None)
+    x = FakeDeviceArray((2, 3, 4), np.float32, 0xABC0)
+    packed = kernel.pack(x, 7, np.float32(0.5))
+    raw = kernel.layout.fmt.unpack(packed.buffer.raw)
+    assert raw == (0, 0, 24, 4, 0xABC0, 2, 3, 4, 48, 16, 4, 7, 0.5)
+    packed.point(0, 0xDEF0)
+    again = kernel.layout.fmt.unpack(packed.buffer.raw)
+    assert again == raw[:4] + (0xDEF0,) + raw[5:]
+    packed.put(1, 0, "q", -3)
+    assert kernel.layout.fmt.unpack(packed.buffer.raw)[11] == -3
+
+
+def test_packer_refuses_wrong_arrays_by_name():
+    from numba import float32
+
+    kernel = launch.DriverKernel("k", 0, (float32[:, ::1],), None)
+    with pytest.raises(TypeError, match="argument 0: expected 2-d "
+                                        "float32, got 2-d int16"):
+        kernel.pack(FakeDeviceArray((2, 2), np.int16, 16))
+    with pytest.raises(ValueError, match="argument 0: expected a "
+                                         "C-contiguous array"):
+        kernel.pack(FakeDeviceArray((2, 2), np.float32, 16, (4, 8)))
+    with pytest.raises(TypeError, match="args: expected 1 kernel"):
+        kernel.pack()
+    with pytest.raises(TypeError, match="argument 0: expected a CUDA "
+                                        "array"):
+        kernel.pack(np.zeros((2, 2), np.float32))
+
+
+def test_register_cap_travels_in_the_ptx():
+    text = ".entry f(\n.param .u64 a\n)\n{\nret;\n}"
+    capped = launch.with_max_registers(text, 128)
+    assert ".maxnreg 128" in capped
+    assert capped.index(".maxnreg") < capped.index("{")
+    assert launch.with_max_registers(text, None) == text
+    spec = registry.get("forward_v3")
+    assert spec.max_registers == 128
+
+
+def test_disk_cache_is_keyed_by_target(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHLAB_CACHE_DIR", str(tmp_path))
+    made = []
+
+    def compile_once():
+        made.append(1)
+        return ".entry f()\n{\nret;\n}"
+
+    for _ in range(2):
+        launch.cached_ptx("row_dot", 64, 64, (9, 0, "a"), compile_once)
+    launch.cached_ptx("row_dot", 64, 64, (8, 0), compile_once)
+    assert len(made) == 2  # once per target, then read back
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any("sm_90a" in n for n in names) and any(
+        "sm_80" in n for n in names)
+    assert all(launch.source_hash() in n for n in names)
+
+
+def test_registry_is_the_one_list():
+    assert set(build.FACTORIES) == set(registry.BY_NAME)
+    assert set(gpu.kernel_names()) == {k.name for k in registry.KERNELS
+                                       if not k.helper}
+    assert gpu.VERSIONS == registry.versions()
+    assert gpu.HALF_VERSIONS == (5,) and 6 in gpu.FLOAT32_VERSIONS
+    with pytest.raises(ValueError, match="name: expected one of"):
+        registry.get("forward_v9")
+
+
+def test_ptx_params_reads_the_entry():
+    text = (".visible .entry k(\n .param .u64 a,\n .param .u8 b,\n"
+            " .param .f32 c\n)\n{")
+    assert launch.ptx_params(text) == [(False, 8), (False, 1), (True, 4)]
+    assert launch.code_kinds((("Q", "B"), ("f",))) == [
+        (False, 8), (False, 1), (True, 4)]
+    assert struct.calcsize("<Q") == 8
