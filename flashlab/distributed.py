@@ -149,7 +149,8 @@ def _check_ring(ranks, backend=None):
         _check_slices(a, len(ranks), where(r))
     for name in ("q", "k", "v", "causal", "scale", "layout"):
         values = [a[name] for a in ranks]
-        if any(x != values[0] for x in values):
+        same = [_agreed(x) for x in values]
+        if any(x != same[0] for x in same):
             raise ValueError(
                 f"{name}: expected the same on every rank of the ring, "
                 f"got " + ", ".join(f"{_shown(x)} on rank {r}" for r, x in
@@ -182,6 +183,14 @@ def _check_slices(a, world, where):
         raise ValueError(f"q: expected a whole number of {a['layout']} "
                          f"chunks per rank, got {q[-2]} rows over {world} "
                          f"ranks{where}")
+
+
+def _agreed(x):
+    """The part of a gathered value every rank must share: a tensor's
+    device type, not its index (each rank has its own GPU)."""
+    if isinstance(x, dict) and "device" in x:
+        return {**x, "device": x["device"].split(":")[0]}
+    return x
 
 
 def _shown(x):
