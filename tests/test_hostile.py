@@ -289,6 +289,10 @@ def test_leading_dims_broadcast_from_the_right(rng, shapes):
     for g, w in zip(grads, want[1:]):
         assert g.shape == w.shape and max_abs_err(g, w) < 1e-12
     assert max_abs_err(reference.attention(q, k, v), want[0]) < 1e-12
+    for kw in (dict(order="fa1"), dict(num_splits=2)):
+        o = tiled.attention(q, k, v, block_q=2, block_k=2, **kw)
+        assert max_abs_err(o, want[0]) < 1e-12, kw
+    assert max_abs_err(dense.attention(q, k, v), want[0]) < 1e-12
 
 
 def test_cpu_kernels_refuse_broadcasts_they_do_not_index(rng):
