@@ -16,7 +16,8 @@ Everything else that is not finite comes out as NaN:
   therefore never decides which rows turn NaN.
 
 `finish` applies the rule to a computed (o, lse) in place (numpy);
-`mark_bad`, `mark_bad_bits` and `finish_row` are its kernel form,
+`mark_bad` and `finish_row` are its kernel form (flashlab.gpu's
+`find_bad_parts` finds bad columns in the 16-bit bits of V),
 compiled by flashlab.gpu.
 See chapter 7.
 """
@@ -45,13 +46,6 @@ def mark_bad(v, bad, b, j, x):
     """Kernel form, one element: flag column x of V[b] if v[b, j, x] is
     not finite (bad starts all False; every writer writes True)."""
     if not math.isfinite(v[b, j, x]):
-        bad[b, x] = True
-
-
-def mark_bad_bits(v, bad, b, j, x, exponent):
-    """mark_bad for 16-bit floats stored as int16 bit patterns: not finite
-    when every `exponent` bit is set (0x7C00 float16, 0x7F80 bf16)."""
-    if (v[b, j, x] & exponent) == exponent:
         bad[b, x] = True
 
 

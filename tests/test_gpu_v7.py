@@ -1,10 +1,9 @@
 """Forward v7 (wgmma, bf16 and float16) on a Hopper GPU.
 
-v7 is built for sm_90a and is not in the registry yet: these tests
-compile it with cc=(9, 0, "a"), load it with flashlab.gpu.launch and
-prepare its arguments as gpu.attention prepares v5's (v7_arguments).
-Outputs are poisoned with NaN first; inputs are fresh random values, N is
-ragged (never a multiple of the 64-row tiles).
+v7 is compiled for sm_90a and launched by flashlab's own path, through
+gpu.attention(version=7), as v5 is. Outputs are poisoned with NaN first;
+inputs are fresh random values, N is ragged (never a multiple of the
+64-row tiles).
 
 Error budget: v5's (test_gpu_tensor_cores.half_budget): v7 rounds P and
 O to 16 bits as v5 does and sums in float32 on the tensor cores; lse as
@@ -12,86 +11,26 @@ v5's, float32 sums of Nk terms.
 
     python tests/test_gpu_v7.py OUT_DIR   # TFLOP/s against torch's SDPA"""
 
-import math
 import sys
 
 import numpy as np
 import pytest
 from test_gpu_tensor_cores import CASES, UNIT, half_budget
 
-from flashlab import gpu, kernel_args, reference
-from flashlab.gpu import build, forward_v7, launch, warp
+from flashlab import gpu, reference
 from helpers import max_abs_err, qkv
 
 pytestmark = pytest.mark.gpu
 
-KINDS = {"bfloat16": "bf16", "float16": "f16"}
-# the keywords of gpu.attention that _Call reads, at their defaults
-DEFAULTS = dict(scale=None, causal=False, mask=None, window=None,
-                kv_lengths=None, dropout_p=0.0, seed=None, align=None)
-_loaded = {}
-
-
-def v7_kernel(kind, d, d_v):
-    """forward_v7 for sm_90a, loaded by the driver (once per shape)."""
-    from numba import cuda
-
-    key = (kind, d, d_v)
-    if key not in _loaded:
-        sig = build.signature("forward_v5_bf16")  # v5's arguments
-        ptx, _ = cuda.compile_ptx(forward_v7.make(d, d_v, kind).py_func,
-                                  sig, cc=forward_v7.CC)
-        _loaded[key] = launch.load(ptx, f"forward_v7_{kind}", sig)
-    return _loaded[key]
-
-
-def v7_arguments(q, k, v, opts):
-    """(o, lse, kernel arguments, grid, leading shape) of one call on
-    torch CUDA tensors, prepared as gpu.attention prepares v5's: (BH, N,
-    d) int16 bits, o as 16-bit pairs and lse poisoned with NaN, V's bad
-    columns per query head, and kernel_args' rules, kv_len and mask."""
-    import torch
-
-    d, d_v = q.shape[-1], v.shape[-1]
-    _, _, _, batch, plan, a = kernel_args.flatten(
-        *(kernel_args.proxy(x, np.float32) for x in (q, k, v)),
-        {**DEFAULTS, **opts})
-    bh, group, nq, nk = int(np.prod(batch)), a.rules.group, plan.nq, plan.nk
-
-    def bits(x, n, dim):
-        return x.contiguous().view(-1, n, dim).view(torch.int16)
-
-    def device(x):
-        return torch.tensor(np.array(x), device=q.device)
-
-    o = torch.full((bh, nq, d_v), float("nan"), dtype=q.dtype,
-                   device=q.device)
-    lse = torch.full((bh, nq), float("nan"), device=q.device)
-    v_kv = v.contiguous().view(bh // group, nk, d_v)
-    bad = (~torch.isfinite(v_kv)).any(1).repeat_interleave(group, 0)
-    args = (bits(q, nq, d), bits(k, nk, d), bits(v, nk, d_v),
-            o.view(torch.int32), lse, bad.contiguous(), a.rules,
-            device(a.kv_len), device(a.mask.astype(np.uint8)))
-    grid = (math.ceil(nq / forward_v7.BR), bh)
-    return o, lse, args, grid, (*q.shape[:-2], nq)
-
 
 def v7_attention(q, k, v, **opts):
     """(o, lse) of forward_v7 on torch CUDA tensors."""
-    import torch
-
-    o, lse, args, grid, shape = v7_arguments(q, k, v, opts)
-    kernel = v7_kernel(KINDS[str(q.dtype).removeprefix("torch.")],
-                       q.shape[-1], v.shape[-1])
-    if o.numel():
-        kernel[grid, warp.THREADS,
-               torch.cuda.current_stream().cuda_stream](*args)
-    return o.view(*shape, v.shape[-1]), lse.view(shape)
+    return gpu.attention(q, k, v, version=7, return_lse=True, **opts)
 
 
 @pytest.fixture(autouse=True)
 def poison(monkeypatch):
-    # v7's outputs are poisoned by v7_arguments; v5's by gpu.attention
+    # every output is NaN until a kernel writes it
     monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
 
 
@@ -202,15 +141,12 @@ def bench_case(n, d, causal):
     q, k, v = (torch.randn(2, 8, n, d, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     flop = 4 * 2 * 8 * n * n * d / (2 if causal else 1)
-    _, _, args, grid, _ = v7_arguments(q, k, v, dict(causal=causal))
-    packed = v7_kernel("bf16", d, d).pack(*args)
-    stream = torch.cuda.current_stream().cuda_stream
-
     def sdpa(backend):
         with sdpa_kernel(backend):
             F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    runs = {"v7": lambda: packed.launch(grid, warp.THREADS, stream),
+    runs = {"v7": lambda: gpu.attention(q, k, v, causal=causal,
+                                        version=7),
             "flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
             "cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION)}
     row = dict(n=n, d=d, causal=causal)

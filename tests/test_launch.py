@@ -150,7 +150,7 @@ def test_registry_is_the_one_list():
     assert set(gpu.kernel_names()) == {k.name for k in registry.KERNELS
                                        if not k.helper}
     assert gpu.VERSIONS == registry.versions()
-    assert gpu.HALF_VERSIONS == (5,) and 6 in gpu.FLOAT32_VERSIONS
+    assert gpu.HALF_VERSIONS == (5, 7) and 6 in gpu.FLOAT32_VERSIONS
     with pytest.raises(ValueError, match="name: expected one of"):
         registry.get("forward_v9")
 

@@ -38,6 +38,7 @@ from flashlab.gpu import (
     forward_v4,
     forward_v5,
     forward_v6,
+    forward_v7,
     launch,
     registry,
     warp,
@@ -50,7 +51,7 @@ __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
            "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine"]
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
-            5: forward_v5, 6: forward_v6}
+            5: forward_v5, 6: forward_v6, 7: forward_v7}
 VERSIONS = registry.versions()
 FLOAT32_VERSIONS = tuple(  # take float32 inputs
     v for v in VERSIONS
@@ -154,7 +155,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
             # flashlab.nonfinite themselves, given V's bad columns
             if dtype in HALF_BITS:
                 arrays[3] = _pairs(o_k)  # 16-bit pairs
-            arrays.append(call.bad_columns(vk, dtype))
+            arrays.append(call.bad_parts(vk, dtype))
         kernel(name, d, d_v)[
             (math.ceil(call.nq / br), call.bh), threads, call.stream](
             *arrays, *call.args)
@@ -468,21 +469,18 @@ def _forward_name(version, dtype, precision, d, d_v):
     if version != 6 and precision is not None:
         raise ValueError(f"precision: only v6 has a precision choice, got "
                          f"{precision!r} for v{version}")
-    if version in TENSOR_CORE_VERSIONS:
-        for name, size in (("q", d), ("v", d_v)):
-            if size not in forward_v5.HEAD_DIMS:
-                raise ValueError(
-                    f"{name}: v{version} runs head dims "
-                    f"{forward_v5.HEAD_DIMS}, got {size}")
-    if version == 5:
-        return "forward_v5_" + ("bf16" if dtype == "bfloat16" else "f16")
+    kernels = [k for k in registry.forwards(version) if dtype in k.dtypes]
+    for name, size in (("q", d), ("v", d_v)):
+        if size not in kernels[0].head_dims:
+            raise ValueError(f"{name}: v{version} runs head dims "
+                             f"{kernels[0].head_dims}, got {size}")
     if version == 6:
         precision = PRECISIONS[0] if precision is None else precision
         if precision not in PRECISIONS:
             raise ValueError(f"precision: expected one of {PRECISIONS}, "
                              f"got {precision!r}")
         return "forward_v6_" + precision
-    return f"forward_v{version}"
+    return kernels[0].name
 
 
 def _check_fixed_blocks(what, block_q, br, block_k, bc):
@@ -578,6 +576,17 @@ class _Call:
 
         half = dtype in HALF_BITS
         nan_bits = HALF_BITS[dtype][1] if half else 0
+        if dtype == "uint8":  # flags: every entry written by its kernel
+            if self.torch:
+                import torch
+
+                out = torch.empty(shape, dtype=torch.uint8,
+                                  device=self.device)
+                return out, _device_view(out)
+            from numba import cuda
+
+            dev = cuda.device_array(shape, dtype=np.uint8)
+            return dev, dev
         if self.torch:
             import torch
 
@@ -607,22 +616,28 @@ class _Call:
         return cuda.to_device(np.zeros(shape, dtype=np.bool_),
                               stream=self.stream)
 
-    def bad_columns(self, v_k, dtype):
-        """(BH, d_v) bool on the device: column x of V[b] holds a NaN or
-        an inf (flashlab.nonfinite)."""
+    def bad_columns(self, v_k):
+        """(BH, d_v) bool on the device: column x of float32 V[b] holds a
+        NaN or an inf (flashlab.nonfinite), for v1-v4's finish_rows."""
         nk, d_v = v_k.shape[1:]
         bad = self.zeros_bool((self.bh_kv, d_v))
         grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
-        if not nk:
-            return self.per_query_head(bad)
-        if dtype in HALF_BITS:
-            kernel("find_bad_columns16", 0, 0)[
-                grid, device.THREADS, self.stream](v_k, bad,
-                                                   HALF_BITS[dtype][0])
-        else:
+        if nk:
             kernel("find_bad_columns", 0, 0)[
                 grid, device.THREADS, self.stream](v_k, bad)
         return self.per_query_head(bad)
+
+    def bad_parts(self, v_k, dtype):
+        """(BH_kv, chunks, d_v) uint8 on the device, one launch, no
+        memset: device.find_bad_parts, which the tensor-core kernels
+        read for the rule of flashlab.nonfinite."""
+        shape = device.bad_parts_shape(self.bh_kv, *v_k.shape[1:])
+        parts, parts_k = self.empty(shape, "uint8")
+        half = dtype in HALF_BITS
+        kernel("find_bad_parts16" if half else "find_bad_parts32", 0, 0)[
+            shape[1::-1], device.THREADS, self.stream](
+            v_k, parts_k, HALF_BITS[dtype][0] if half else 0)
+        return parts_k
 
     def per_query_head(self, bad):
         """(BH_kv, d_v) flags as (BH, d_v): one row per query head (a
@@ -655,7 +670,7 @@ class _Call:
         """Apply flashlab.nonfinite's rule to the output of v1-v4."""
         from numba import cuda
 
-        bad = self.bad_columns(v_k, "float32")
+        bad = self.bad_columns(v_k)
         empty = self.plan.empty_rows(self.batch).reshape(self.bh, self.nq)
         empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
         if empty.any():  # else a (1, 1) stand-in: no row is empty
@@ -788,27 +803,22 @@ class _ForwardPlan:
         self.half = dtype in HALF_BITS
         self.o_shape = (*call.heads, call.nq, d_v)
         self.lse_shape = (*call.heads, call.nq)
-        self.bad_shape = (call.bh_kv, d_v)
-        self.group = call.group
+        self.bad_shape = device.bad_parts_shape(call.bh_kv, call.nk, d_v)
         self.grid = (math.ceil(call.nq / br), call.bh)
-        self.find_grid = (math.ceil(call.nk * d_v / device.THREADS),
-                          call.bh_kv)
+        self.find_grid = self.bad_shape[1::-1]  # (chunks, BH_kv)
         self.rules, self.constants = call.args[0], call.args[1:]
         o, lse, bad = self._outputs(q)
         v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
-        if self.half:
-            self.find = kernel("find_bad_columns16", 0, 0).pack(
-                v3, bad, HALF_BITS[dtype][0])
-        else:
-            self.find = kernel("find_bad_columns", 0, 0).pack(v3, bad)
+        self.find = kernel(
+            "find_bad_parts16" if self.half else "find_bad_parts32", 0, 0
+        ).pack(v3, bad, HALF_BITS[dtype][0] if self.half else 0)
         o3 = o.view(call.bh, call.nq, d_v)
         if self.half:
             o3 = o3.view(torch.int32)  # 16-bit pairs
         self.main = kernel(name, d, d_v).pack(
             self._bits(q).view(call.bh, call.nq, d),
             self._bits(k).view(call.bh_kv, call.nk, d), v3, o3,
-            lse.view(call.bh, call.nq), self._per_query_head(bad),
-            *call.args)
+            lse.view(call.bh, call.nq), bad, *call.args)
 
     def _bits(self, x):
         """x as the kernels read it: 16-bit values as int16 bits."""
@@ -817,7 +827,8 @@ class _ForwardPlan:
         return x.view(torch.int16) if self.half else x
 
     def _outputs(self, q):
-        """Fresh o, lse and all-False bad-column flags on q's device."""
+        """Fresh o, lse and bad-column flags (written by find_bad_parts)
+        on q's device."""
         import torch
 
         o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
@@ -826,15 +837,9 @@ class _ForwardPlan:
         if POISON_OUTPUTS:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        bad = torch.zeros(self.bad_shape, dtype=torch.bool,
+        bad = torch.empty(self.bad_shape, dtype=torch.uint8,
                           device=q.device)
         return o, lse, bad
-
-    def _per_query_head(self, bad):
-        """(BH_kv, d_v) flags as (BH, d_v), copied only for grouped
-        heads."""
-        return bad if self.group == 1 else bad.repeat_interleave(
-            self.group, 0)
 
     def __call__(self, q, k, v, seed):
         o, lse, bad = self._outputs(q)
@@ -843,8 +848,7 @@ class _ForwardPlan:
         self.find.point(1, bad.data_ptr())
         self.find.launch(self.find_grid, device.THREADS, stream)
         main = self.main
-        for arg, x in enumerate((q, k, v, o, lse,
-                                 self._per_query_head(bad))):
+        for arg, x in enumerate((q, k, v, o, lse, bad)):
             main.point(arg, x.data_ptr())
         if self.rules.use_dropout:
             _check_seed(seed)

@@ -303,3 +303,75 @@ def finish_rows(o, lse, bad, empty):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < o.shape[1]:
         finish_row(o, lse, bad, empty, b, i, NAN, NAN, NEG_INF)
+
+
+PART_ROWS = 64  # fewest rows of V per block of find_bad_parts
+MAX_PARTS = 16  # chunks of V's rows: what an epilogue ORs per column
+PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
+
+
+def bad_parts_shape(bh_kv, nk, d_v):
+    """(BH_kv, chunks, d_v) of find_bad_parts' flags for V (BH_kv, Nk,
+    d_v): at most MAX_PARTS chunks, so an epilogue reads few of them."""
+    chunks = max(1, min(MAX_PARTS, math.ceil(nk / PART_ROWS)))
+    return bh_kv, chunks, d_v
+
+
+@cuda.jit(device=True)
+def _not_finite(value, exponent):
+    return not math.isfinite(value)
+
+
+@cuda.jit(device=True)
+def _not_finite_bits(value, exponent):
+    return (value & exponent) == exponent
+
+
+def _find_bad_parts(half):
+    """find_bad_parts for 16-bit bits (half) or float32 values of V."""
+    not_finite = _not_finite_bits if half else _not_finite
+
+    @cuda.jit
+    def find_bad_parts(v, parts, exponent):
+        """parts[b, c, x]: V[b, j, x] is NaN or inf for a row j of chunk c.
+
+        flashlab.nonfinite's column rule in one launch: block (c, b) reads
+        chunk c of V[b]'s rows once, coalesced, and writes every flag of
+        its chunk, set or not, so no memset runs first. 16-bit values are
+        int16 bits, not finite when every `exponent` bit is set (0x7F80
+        bf16, 0x7C00 float16); float32 values pass exponent 0, unused.
+        """
+        flags = cuda.shared.array(PART_COLUMNS, np.uint8)
+        b, c, t = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
+        nk, d_v = v.shape[1], v.shape[2]
+        rows = (nk + parts.shape[1] - 1) // parts.shape[1]
+        r0 = c * rows
+        r1 = min(nk, r0 + rows)
+        for x in range(t, d_v, cuda.blockDim.x):
+            flags[x] = 0
+        cuda.syncthreads()  # every flag cleared before a thread sets one
+        for e in range(t, max(r1 - r0, 0) * d_v, cuda.blockDim.x):
+            if not_finite(v[b, r0 + e // d_v, e % d_v], exponent):
+                flags[e % d_v] = 1
+        cuda.syncthreads()  # the chunk's flags complete before the store
+        for x in range(t, d_v, cuda.blockDim.x):
+            parts[b, c, x] = flags[x]
+
+    return find_bad_parts
+
+
+find_bad_parts16 = _find_bad_parts(True)
+find_bad_parts32 = _find_bad_parts(False)
+
+
+@inline
+def bad_bits(parts, bk, x0, n_tiles):
+    """Bit 2n + e: column 8n + x0 + e of V[bk] holds a NaN or inf (the
+    columns a thread of a tensor-core epilogue writes), from the parts."""
+    bits = np.uint32(0)
+    for c in range(parts.shape[1]):
+        for n in range(n_tiles):
+            for e in range(2):
+                if parts[bk, c, 8 * n + x0 + e]:
+                    bits |= np.uint32(1) << np.uint32(2 * n + e)
+    return bits

@@ -13,7 +13,7 @@ and O accumulate in float32; the output is rounded to the input's dtype.
 
 from numba import cuda, float32, int16, int32, uint32
 
-from flashlab.gpu.device import F0, NAN, NEG_INF
+from flashlab.gpu.device import F0, NAN, NEG_INF, bad_bits
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -159,6 +159,7 @@ def make(D, D_V, kind="bf16"):
         # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
         # flashlab.nonfinite: no key 0 / -inf, all -inf NaN, and NaN in
         # columns where V holds a NaN or inf (bad, found beforehand)
+        bits = bad_bits(bad, bk, 2 * (lane % 4), NO)  # V's bad columns
         for h in range(2):
             inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
@@ -169,8 +170,8 @@ def make(D, D_V, kind="bf16"):
                     if state == 1:  # no key: 0, even where O_i is NaN
                         v0 = v1 = F0
                     else:
-                        v0 = NAN if bad[b, x] else v0
-                        v1 = NAN if bad[b, x + 1] else v1
+                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
+                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 else v1
                     o[b, i, x // 2] = pack(v0, v1)
                 if lane % 4 == 0:
                     lse[b, i] = lse_i

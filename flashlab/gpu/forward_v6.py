@@ -17,9 +17,9 @@ hits after the first tile) and P goes through a per-warp SRAM tile.
 """
 
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint32
 
-from flashlab.gpu.device import F0, NAN, NEG_INF, inline
+from flashlab.gpu.device import F0, NAN, NEG_INF, bad_bits, inline
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -175,6 +175,7 @@ def make(D, D_V, precision="3xtf32"):
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j or P
         # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
         # flashlab.nonfinite, as in v5
+        bits = bad_bits(bad, bk, 2 * tq, NO)  # this thread's columns
         for h in range(2):
             inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
@@ -185,7 +186,7 @@ def make(D, D_V, precision="3xtf32"):
                         value = of[n, 2 * h + y] * inv
                         if state == 1:  # no key: 0, even where O_i is NaN
                             value = F0
-                        elif bad[b, x]:
+                        elif (bits >> uint32(2 * n + y)) & 1:
                             value = NAN
                         o[b, i, x] = value
                 if tq == 0:

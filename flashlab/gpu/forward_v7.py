@@ -16,7 +16,7 @@ cp.async. sm_90a only: compile with cc=(9, 0, "a"). See chapter 12.
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
-from flashlab.gpu.device import F0, NAN, NEG_INF, inline
+from flashlab.gpu.device import F0, NAN, NEG_INF, bad_bits, inline
 from flashlab.gpu.intrinsics import (
     cp_async16,
     cp_async_commit,
@@ -154,6 +154,7 @@ def make(D, D_V, kind="bf16"):
             cuda.syncthreads()  # K_{j+1} landed; no wgmma reads V_j
         # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
         # flashlab.nonfinite, as v5
+        bits = bad_bits(bad, bk, 2 * (lane % 4), NO)  # V's bad columns
         for h in range(2):
             inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
@@ -164,8 +165,8 @@ def make(D, D_V, kind="bf16"):
                     if state == 1:  # no key: 0, even where O_i is NaN
                         v0 = v1 = F0
                     else:
-                        v0 = NAN if bad[b, x] else v0
-                        v1 = NAN if bad[b, x + 1] else v1
+                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
+                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 else v1
                     o[b, i, x // 2] = pack(v0, v1)
                 if lane % 4 == 0:
                     lse[b, i] = lse_i

@@ -22,6 +22,7 @@ from flashlab.gpu import (
     forward_v4,
     forward_v5,
     forward_v6,
+    forward_v7,
     warp,
 )
 
@@ -48,10 +49,13 @@ class Kernel(NamedTuple):
     version: int = None  # forward version number, for forwards
     max_dim: int = 128  # max(d, d_v) it is built for
     helper: bool = False  # an element-wise step around the attention
+    max_cc: tuple = None  # the newest one, for architecture-specific PTX
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
-        return tuple(cc)[:2] >= self.min_cc
+        cc = tuple(cc)[:2]
+        return cc >= self.min_cc and (self.max_cc is None
+                                      or cc <= self.max_cc)
 
     def takes(self, d, d_v):
         """Whether it is built for head dims d, d_v."""
@@ -87,6 +91,13 @@ KERNELS = (
              "forward_bad", _F32, TENSOR_DIMS, MMA_CC, warp.THREADS,
              version=6)
       for precision in forward_v6.PRECISIONS),
+    # wgmma, setmaxnreg: sm_90a PTX, which runs on compute capability
+    # 9.0 only (not on later GPUs, as plain PTX would)
+    *(Kernel(f"forward_v7_{kind}",
+             functools.partial(forward_v7.make, kind=kind), "forward16",
+             (dtype,), TENSOR_DIMS, (9, 0), warp.THREADS, version=7,
+             max_cc=(9, 0))
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
            threads=device.THREADS, **_BASE),
     Kernel("backward_q", backward.make_q, "backward_q", _F32,
@@ -109,8 +120,10 @@ KERNELS = (
     Kernel("row_dot", _fixed(device.row_dot), "row_dot", _F32, **_HELPER),
     Kernel("find_bad_columns", _fixed(device.find_bad_columns),
            "find_bad", _F32, **_HELPER),
-    Kernel("find_bad_columns16", _fixed(warp.find_bad_columns16),
-           "find_bad16", _HALF, **_HELPER),
+    Kernel("find_bad_parts32", _fixed(device.find_bad_parts32),
+           "find_parts", _F32, **_HELPER),
+    Kernel("find_bad_parts16", _fixed(device.find_bad_parts16),
+           "find_parts16", _HALF, **_HELPER),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),
 )
@@ -175,14 +188,15 @@ def argument_types(args):
 
     a3, a2 = float32[:, :, ::1], float32[:, ::1]
     h3, b2 = int16[:, :, ::1], boolean[:, ::1]
+    parts = uint8[:, :, ::1]  # device.find_bad_parts' flags
     f = float32(0)
     rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
                                uint64(0), False, f, f, 1))
     common = (rules, int64[::1], uint8[:, :, ::1])
     lists = {
         "forward": (a3, a3, a3, a3, a2, *common),
-        "forward_bad": (a3, a3, a3, a3, a2, b2, *common),
-        "forward16": (h3, h3, h3, int32[:, :, ::1], a2, b2, *common),
+        "forward_bad": (a3, a3, a3, a3, a2, parts, *common),
+        "forward16": (h3, h3, h3, int32[:, :, ::1], a2, parts, *common),
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3, *common),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),
         "backward16_dq": (h3, h3, h3, h3, a2, a2, a3, *common),
@@ -190,7 +204,8 @@ def argument_types(args):
         "combine": (a3, a2, a3, a2, float32),
         "row_dot": (a3, a3, a2),
         "find_bad": (a3, b2),
-        "find_bad16": (h3, b2, int64),
+        "find_parts": (a3, parts, int64),
+        "find_parts16": (h3, parts, int64),
         "finish": (a3, a2, b2, b2),
     }
     return lists[args]

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
-from flashlab import fragments, merge, nonfinite
+from flashlab import fragments, merge
 from flashlab.gpu.device import (
     F0,
     NAN,
@@ -46,7 +46,6 @@ swizzle_base = cuda.jit(device=True)(fragments.swizzle_base)
 swizzle_step = cuda.jit(device=True)(fragments.swizzle_step)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
 row_step2 = cuda.jit(device=True)(merge.row_step2)
-_mark_bad_bits = cuda.jit(device=True)(nonfinite.mark_bad_bits)
 
 
 @inline
@@ -297,13 +296,3 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
                            tiles)
     note_allowed(seen, bits, tiles)
     online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
-
-
-@cuda.jit
-def find_bad_columns16(v, bad, exponent):
-    """bad[b, x] |= V[b, j, x] (16-bit bits) is NaN or inf."""
-    b = cuda.blockIdx.y
-    e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    d_v = v.shape[2]
-    if e < v.shape[1] * d_v:
-        _mark_bad_bits(v, bad, b, e // d_v, e % d_v, exponent)
