@@ -403,3 +403,55 @@ def tile_map(ax, nq, nk, *, block_q, block_k, kv_lengths=None,
     ax.set_yticks(range(rows), [f"Q{i}" for i in range(rows)], fontsize=7)
     return {name: int(np.sum(kind == c)) for c, name in
             ((2, "full"), (1, "masked"), (0, "skipped"))}
+
+
+def hbm_sram(n, d, *, block_q, block_k, schedules=("dense", "fa2")):
+    """Chapter 6: each schedule's data movement between HBM and SRAM.
+
+    One panel per schedule, from `io.ledger`'s counts: every tensor in HBM
+    on the left, the on-chip memory on the right, an arrow right for the
+    elements read to the chip and one left for those written back. A
+    matplotlib figure; the counts are returned beside it.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    books = {s: io.ledger(s, n, d, block_q=block_q, block_k=block_k)
+             for s in schedules}
+    tensors = [t for t in io.TENSORS
+               if any(b.reads[t] or b.writes[t] for b in books.values())]
+    fig, axes = plt.subplots(1, len(schedules),
+                             figsize=(4.6 * len(schedules), 3.9))
+    for ax, (name, book) in zip(np.atleast_1d(axes), books.items()):
+        rows = len(tensors)
+        ax.add_patch(Rectangle((0, 0), 2.2, rows, facecolor="#dbe9f6",
+                               edgecolor="0.3"))
+        ax.add_patch(Rectangle((7.2, 0), 2.6, rows, facecolor="#fde0c5",
+                               edgecolor="0.3"))
+        ax.text(1.1, rows + 0.25, "HBM", ha="center", weight="bold")
+        ax.text(8.5, rows + 0.25, "SRAM (on chip)", ha="center",
+                weight="bold")
+        for k, t in enumerate(tensors):
+            y = rows - k - 0.5
+            read, wrote = book.reads[t], book.writes[t]
+            ax.text(1.1, y, t if read or wrote else f"({t})", ha="center",
+                    va="center", color="black" if read or wrote else "0.6")
+            for count, y0, x0, x1, word in (
+                    (read, y + 0.17, 2.3, 7.1, "read"),
+                    (wrote, y - 0.17, 7.1, 2.3, "written")):
+                if count:
+                    ax.add_patch(FancyArrowPatch(
+                        (x0, y0), (x1, y0), arrowstyle="-|>",
+                        mutation_scale=10,
+                        color="C0" if word == "read" else "C3"))
+                    ax.text(4.7, y0 + 0.05, f"{word} {count:,}",
+                            ha="center", va="bottom", fontsize=8)
+            if not (read or wrote):
+                ax.text(8.5, y, f"{t} tiles stay here", ha="center",
+                        va="center", fontsize=8)
+        ax.set_title(f"{name}: {book.total:,} elements moved", fontsize=10)
+        ax.set_xlim(-0.2, 10)
+        ax.set_ylim(-0.2, rows + 0.7)
+        ax.axis("off")
+    fig.tight_layout()
+    return fig, {s: b.total for s, b in books.items()}

@@ -110,3 +110,17 @@ def test_player_needs_no_network(rng):
                            rng.standard_normal((3, 1)), split=1).data
     assert "http://" not in html and "https://" not in html
     assert 'class="fa' not in html  # no icon font to fetch
+
+
+def test_hbm_sram_draws_the_ledger_counts():
+    import matplotlib.pyplot as plt
+
+    fig, totals = viz.hbm_sram(6, 2, block_q=2, block_k=2)
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    plt.close(fig)
+    for s in ("dense", "fa2"):
+        book = viz.io.ledger(s, 6, 2, block_q=2, block_k=2)
+        assert totals[s] == book.total
+        for n in book.reads.values():
+            assert n == 0 or f"read {n:,}" in texts
+    assert totals == {"dense": 240, "fa2": 96}  # seed 001's counts
