@@ -455,3 +455,86 @@ def hbm_sram(n, d, *, block_q, block_k, schedules=("dense", "fa2")):
         ax.axis("off")
     fig.tight_layout()
     return fig, {s: b.total for s, b in books.items()}
+
+
+def explorer(q, k, v, *, block_k, scale=None):
+    """Seed 001's explorer: pick a query, step a dense and a tiled lane.
+
+    q (Nq, d), k (Nk, d), v (Nk, d_v). The dense lane keeps every score
+    of the row until it has them all, then normalizes; the tiled lane
+    merges one key tile at a time into (m, l, u) with `merge.merge`. Both
+    end in the same output. All numbers are computed here and rounded to
+    three places; the page only shows them (HTML with a small script, no
+    kernel needed).
+    """
+    import json
+    import uuid
+
+    from IPython.display import HTML
+
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    tau = 1 / np.sqrt(q.shape[1]) if scale is None else scale
+    s = tau * q @ k.T  # (Nq, Nk): the dense lane's whole rows
+    tiles = [range(j, min(j + block_k, len(k)))
+             for j in range(0, len(k), block_k)]
+    data = []
+    for i in range(len(q)):
+        dense_out = merge.summarize(s[i], v).output()
+        state, steps = None, []
+        for cols in tiles:
+            block = merge.summarize(s[i, cols.start:cols.stop],
+                                    v[cols.start:cols.stop])
+            alpha = (0.0 if state is None else
+                     float(merge.rescale(state.m, max(state.m, block.m))))
+            state = block if state is None else merge.merge(state, block)
+            steps.append({
+                "keys": f"{cols.start}-{cols.stop - 1}",
+                "dense": "kept scores " + _vec(s[i, :cols.stop]),
+                "tiled": (f"tile scores {_vec(s[i, cols.start:cols.stop])}"
+                          f"\nalpha = {alpha:.3f}\nm = {state.m:.3f}, "
+                          f"l = {state.l:.3f}\nu = {_vec(state.u)}")})
+        p = np.exp(s[i] - s[i].max())
+        steps.append({
+            "keys": "all",
+            "dense": (f"m = {s[i].max():.3f}, l = {p.sum():.3f}\n"
+                      f"P = {_vec(p / p.sum())}\nO = {_vec(dense_out)}"),
+            "tiled": f"O = u / l = {_vec(state.output())}",
+            "diff": f"{np.max(np.abs(dense_out - state.output())):.1e}"})
+        data.append(steps)
+    uid = uuid.uuid4().hex[:8]
+    # JSON inside <script>: only "</" could end the element early
+    script_data = json.dumps(data).replace("</", "<\\/")
+    options = "".join(f'<option value="{i}">Q{i}</option>'
+                      for i in range(len(q)))
+    page = f"""<div class="flashlab-explorer" id="ex{uid}">
+<p>Query <select id="ex{uid}-q">{options}</select>
+<button id="ex{uid}-prev" title="Previous step">&#9665;</button>
+<button id="ex{uid}-next" title="Next step">&#9655;</button>
+<span id="ex{uid}-step"></span></p>
+<table style="table-layout: fixed; width: 100%">
+<tr><th>dense lane: every score kept</th>
+<th>tiled lane: one tile at a time</th></tr>
+<tr><td><pre id="ex{uid}-dense" style="white-space: pre-wrap"></pre></td>
+<td><pre id="ex{uid}-tiled" style="white-space: pre-wrap"></pre></td>
+</tr></table>
+<p id="ex{uid}-end"></p></div>
+<script>(function () {{
+const data = {script_data};
+const $ = (x) => document.getElementById("ex{uid}-" + x);
+let step = 0;
+function show() {{
+  const steps = data[+$("q").value], st = steps[step];
+  $("step").textContent = "step " + (step + 1) + " of " + steps.length
+    + ", keys " + st.keys;
+  $("dense").textContent = st.dense;
+  $("tiled").textContent = st.tiled;
+  $("end").textContent = st.diff === undefined ? "" :
+    "Both lanes end in the same output: max |difference| = " + st.diff;
+}}
+$("q").onchange = () => {{ step = 0; show(); }};
+$("prev").onclick = () => {{ step = Math.max(0, step - 1); show(); }};
+$("next").onclick = () => {{
+  step = Math.min(data[+$("q").value].length - 1, step + 1); show(); }};
+show();
+}})();</script>"""
+    return HTML(page)

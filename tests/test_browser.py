@@ -150,3 +150,24 @@ def test_step_through_frames_differ_and_carry_numbers(server, browser,
             f"{name}: Next did not show {frames} different frames")
     page.close()
     assert not problems, "\n".join(problems)
+
+
+def test_explorer_lanes_reach_the_same_output(server, browser):
+    """Chapter 5's explorer: pick a query, step to the end of both lanes."""
+    problems = []
+    page = open_page(browser, urljoin(server, "notebooks/05_tiling.html"),
+                     problems)
+    root = page.locator("div.flashlab-explorer").first
+    select = root.locator("select")
+    assert select.locator("option").count() == 6
+    for query in ("0", "3"):
+        select.select_option(query)
+        seen = set()
+        for _ in range(10):  # more clicks than steps: Next stops at the end
+            seen.add(root.locator("pre").first.inner_text())
+            root.locator("button[title='Next step']").click()
+        end = root.locator("p").last.inner_text()
+        assert "same output" in end and len(seen) >= 3, (query, seen)
+        assert float(end.rsplit("= ", 1)[1]) < 1e-12
+    page.close()
+    assert not problems, "\n".join(problems)

@@ -124,3 +124,19 @@ def test_hbm_sram_draws_the_ledger_counts():
         for n in book.reads.values():
             assert n == 0 or f"read {n:,}" in texts
     assert totals == {"dense": 240, "fa2": 96}  # seed 001's counts
+
+
+def test_explorer_lanes_end_in_the_same_output(rng):
+    import json
+
+    q, k, v = (rng.standard_normal((5, 3)) * 3 for _ in range(3))
+    html = viz.explorer(q, k, v, block_k=2).data
+    data = json.loads(re.search(r"const data = (.*);", html).group(1))
+    assert len(data) == 5  # one entry per query to choose
+    o = reference.attention(q, k, v)
+    for i, steps in enumerate(data):
+        assert len(steps) == 3 + 1  # key tiles 0-1, 2-3, 4, then the end
+        end = steps[-1]
+        assert end["dense"].endswith(end["tiled"].split("= ")[-1])
+        assert end["tiled"].endswith(viz._vec(o[i]))
+        assert float(end["diff"]) < 1e-14
