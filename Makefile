@@ -41,8 +41,9 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# -p no:cacheprovider: beside `make unit`, two runs must not share a cache
 notebooks: $(STAMP)
-	$(BIN)/python -m pytest --nbval --nbval-current-env \
+	$(BIN)/python -m pytest -p no:cacheprovider --nbval --nbval-current-env \
 	    --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks
 
 # Debian's Chromium for the browser test (Playwright never downloads one).
@@ -52,7 +53,14 @@ notebooks: $(STAMP)
 browser: $(STAMP) /usr/bin/chromium
 	$(BIN)/python -m pytest -m browser tests/test_browser.py
 
-test: lint unit notebooks book browser
+# Every check, in this order: lint; the unit tests and nbval side by side
+# (each is mostly one busy core, so on two cores they take little more
+# than the longer one alone); then the book from the outputs nbval has just
+# compared, and the browser test of that book.
+test: lint
+	$(MAKE) --jobs=2 --output-sync=target unit notebooks
+	$(MAKE) book
+	$(MAKE) browser
 
 # Re-run every chapter and store its outputs (after changing flashlab).
 execute: $(STAMP)
