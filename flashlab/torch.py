@@ -95,7 +95,8 @@ def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
             # kernels on widened copies
             saved = [x.float() for x in saved]
         grads = gpu.attention_backward(*saved, **kw)
-        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+        return tuple(g if g.dtype == x.dtype else g.to(x.dtype)
+                     for g, x in zip(grads, (q, k, v)))
     grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do), **kw)
     return tuple(torch.from_numpy(g) for g in grads)
 
@@ -112,11 +113,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.rest = (mask, kv_lengths, seed, options)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # lse's gradient is never read
 
 
 def _backward(ctx, do, _dlse):
     if torch.is_grad_enabled():  # create_graph=True: a 2nd derivative
         raise RuntimeError(_SECOND_ORDER)
+    if do is None:  # o took no part in the loss
+        return (None,) * 7
     q, k, v, o, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(q, k, v, o, lse, do, *ctx.rest)
     return dq, dk, dv, None, None, None, None
@@ -149,17 +153,24 @@ class _Eager(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         if torch.is_grad_enabled():
             raise RuntimeError(_SECOND_ORDER)
+        if do is None:  # o took no part in the loss
+            return (None,) * 7
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _backward_of(q, k, v, o, lse, do, *ctx.rest)
         return dq, dk, dv, None, None, None, None
 
 
 def _call(*args):
-    """attention_op inside torch.compile and torch.func, _Eager outside."""
+    """attention_op inside torch.compile and torch.func, _Eager outside,
+    and the forward alone where no gradient is wanted (inference)."""
     if torch.compiler.is_compiling() or \
             torch._C._are_functorch_transforms_active():
         return attention_op(*args)
-    return _Eager.apply(*args)
+    if torch.is_grad_enabled() and (args[0].requires_grad
+                                    or args[1].requires_grad
+                                    or args[2].requires_grad):
+        return _Eager.apply(*args)
+    return _forward(*args)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -176,7 +187,7 @@ _decoded = {}
 
 def _encode(options):
     """options (keywords that are not tensors) as the op's JSON string."""
-    key = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
+    key = (tuple(options), tuple(map(_hashable, options.values())))
     text = _encoded.get(key)
     if text is None:
         for name, x in options.items():

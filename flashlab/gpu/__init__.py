@@ -729,8 +729,13 @@ def _stream(tensor):
     import torch
     from numba import config, cuda
 
-    raw = torch.cuda.current_stream(tensor.device).cuda_stream
-    return cuda.external_stream(raw) if config.ENABLE_CUDASIM else raw
+    if config.ENABLE_CUDASIM:
+        return cuda.external_stream(
+            torch.cuda.current_stream(tensor.device).cuda_stream)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # a torch without the fast accessor
+        return torch.cuda.current_stream(tensor.device).cuda_stream
+    return raw(tensor.device.index)
 
 
 # One plan per (shapes, dtype, options) of a torch call: see _ForwardPlan
@@ -859,8 +864,8 @@ class _ForwardPlan:
 
 class _BackwardPlan:
     """backward_v5 of one (shapes, dtype, options), prepared as
-    _ForwardPlan is: a call computes D = rowsum(dO o O) with torch,
-    allocates the float32 gradients and launches the dK/dV and dQ
+    _ForwardPlan is: a call allocates D and the float32 gradients and
+    launches D = rowsum(dO o O) (warp.row_dot16), the dK/dV and the dQ
     kernels from their packed buffers."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options):
@@ -880,21 +885,28 @@ class _BackwardPlan:
         import torch
 
         bits = [x.view(torch.int16) for x in (q, k, v, do)]
+        self.rows = (bh, nq, d_v // 2)  # dO and O as 16-bit pairs
+        self.row_dot = kernel(f"row_dot_{kind}", 0, 0).pack(
+            *(x.view(torch.int32).view(self.rows) for x in (do, o)),
+            self._delta(q))
+        self.row_grid = (math.ceil(nq / device.THREADS), bh)
         inputs = [bits[0].view(bh, nq, d),
                   bits[1].view(call.bh_kv, nk, d),
                   bits[2].view(call.bh_kv, nk, d_v),
                   bits[3].view(bh, nq, d_v), lse.view(bh, nq),
-                  self._delta(do, o).view(bh, nq)]
+                  self._delta(q)]
         dq, dk, dv = self._grads(q)
         self.dkv = kernel(f"backward_v5_dkv_{kind}", d, d_v).pack(
             *inputs, dk.view(bh, nk, d), dv.view(bh, nk, d_v), *call.args)
         self.dq = kernel(f"backward_v5_dq_{kind}", d, d_v).pack(
             *inputs, dq.view(bh, nq, d), *call.args)
 
-    @staticmethod
-    def _delta(do, o):
-        """D_i = rowsum(dO_i o O_i) in float32, by torch."""
-        return (do.float() * o.float()).sum(-1)
+    def _delta(self, q):
+        """Room for D_i = rowsum(dO_i o O_i), float32 (BH, Nq)."""
+        import torch
+
+        return torch.empty(self.rows[:2], dtype=torch.float32,
+                           device=q.device)
 
     def _grads(self, q):
         """Fresh float32 dq and per-query-head dk, dv."""
@@ -908,9 +920,12 @@ class _BackwardPlan:
         return grads
 
     def __call__(self, q, k, v, o, lse, do, seed):
-        delta = self._delta(do, o)
+        delta = self._delta(q)
         dq, dk, dv = self._grads(q)
         stream = _stream(q)
+        for arg, x in enumerate((do, o, delta)):
+            self.row_dot.point(arg, x.data_ptr())
+        self.row_dot.launch(self.row_grid, device.THREADS, stream)
         inputs = (q, k, v, do, lse, delta)
         for packed, outs in ((self.dkv, (dk, dv)), (self.dq, (dq,))):
             for arg, x in enumerate((*inputs, *outs)):

@@ -107,6 +107,41 @@ pack_f16x2.__doc__ = """int32 pair of float16(lo), float16(hi), rounded
 to nearest even (overflow gives inf)."""
 
 
+def _unpack(kind):
+    """An intrinsic widening an int32 pair of 16-bit floats to float32."""
+    _F2 = types.UniTuple(types.float32, 2)
+
+    def typer(typingctx, pair):
+        sig = _F2(types.int32)
+
+        def codegen(context, builder, signature, args):
+            if kind == "bf16":  # bf16 is float32's upper half: exact
+                lo = builder.bitcast(builder.shl(args[0], _I32(16)), _F32)
+                hi = builder.bitcast(builder.and_(args[0],
+                                                  _I32(-65536)), _F32)
+            else:
+                both = _asm(builder, "{ .reg .b16 l, h;\n\t"
+                            "mov.b32 {l, h}, $2;\n\t"
+                            "cvt.f32.f16 $0, l;\n\tcvt.f32.f16 $1, h; }",
+                            "=f,=f,r", ir.LiteralStructType([_F32, _F32]),
+                            [args[0]])
+                lo, hi = (builder.extract_value(both, i) for i in (0, 1))
+            return context.make_tuple(builder, signature.return_type,
+                                      [lo, hi])
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+unpack_bf16x2 = _unpack("bf16")
+unpack_bf16x2.__doc__ = """(lo, hi) float32 of an int32 pair of bf16
+(exact: bf16 is the upper half of a float32)."""
+unpack_f16x2 = _unpack("f16")
+unpack_f16x2.__doc__ = """(lo, hi) float32 of an int32 pair of float16
+(exact)."""
+
+
 @intrinsic
 def to_tf32(typingctx, x):
     """x rounded to tf32 (10 mantissa bits, nearest, ties away), as float32.

@@ -114,7 +114,8 @@ class Layout(NamedTuple):
                 at += pad
                 offsets.append(at)
                 at += size
-        fmt += "x" * (-at % 8)
+        # no tail padding: the driver checks the buffer's size against
+        # the kernel's parameters (324 bytes is not 328)
         return cls(codes, struct.Struct(fmt), tuple(starts), tuple(offsets))
 
     def offset(self, arg, field=0):

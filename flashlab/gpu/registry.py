@@ -124,6 +124,9 @@ KERNELS = (
            "find_parts", _F32, **_HELPER),
     Kernel("find_bad_parts16", _fixed(device.find_bad_parts16),
            "find_parts16", _HALF, **_HELPER),
+    *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
+             "row_dot16", (dtype,), **_HELPER)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),
 )
@@ -203,6 +206,7 @@ def argument_types(args):
         "backward16_dkv": (h3, h3, h3, h3, a2, a2, a3, a3, *common),
         "combine": (a3, a2, a3, a2, float32),
         "row_dot": (a3, a3, a2),
+        "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),
         "find_bad": (a3, b2),
         "find_parts": (a3, parts, int64),
         "find_parts16": (h3, parts, int64),

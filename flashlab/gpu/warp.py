@@ -28,6 +28,8 @@ from flashlab.gpu.intrinsics import (
     ex2,
     global_address,
     opaque,
+    unpack_bf16x2,
+    unpack_f16x2,
 )
 
 WARPS = 4  # warps per block, 16 query rows each
@@ -296,3 +298,27 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
                            tiles)
     note_allowed(seen, bits, tiles)
     online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
+
+
+def _row_dot16(unpack):
+    """row_dot16 for one 16-bit kind (its pair-widening intrinsic)."""
+
+    @cuda.jit
+    def row_dot16(do, o, delta):
+        """D_i = rowsum(dO_i o O_i) in float32 from 16-bit pairs (BH, N,
+        d_v / 2); one thread per row: the backward's one preparation."""
+        b = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i < do.shape[1]:
+            acc = F0
+            for x in range(do.shape[2]):
+                a0, a1 = unpack(do[b, i, x])
+                c0, c1 = unpack(o[b, i, x])
+                acc += a0 * c0 + a1 * c1
+            delta[b, i] = acc
+
+    return row_dot16
+
+
+row_dot_bf16 = _row_dot16(unpack_bf16x2)
+row_dot_f16 = _row_dot16(unpack_f16x2)
