@@ -14,21 +14,25 @@ from flashlab import gpu, reference
 
 
 def forward_calls(d):
-    """(label, dtype, keywords, tolerance) of every forward kernel at d."""
+    """(label, dtype, keywords, tolerance) of every forward kernel at d
+    that this GPU runs (16-bit ones in float16)."""
+    from flashlab.gpu import launch, registry
+
+    cc = launch.device_cc()
     calls = []
     for version in gpu.VERSIONS:
-        names = {5: ["forward_v5_f16"],
-                 6: [f"forward_v6_{p}" for p in gpu.PRECISIONS]}.get(
-                     version, [f"forward_v{version}"])
-        for name in names:
-            if not gpu.supports(name, d, d):
+        for spec in registry.forwards(version):
+            if "bfloat16" in spec.dtypes or not spec.takes(d, d) \
+                    or not spec.runs_on(cc):
                 continue
-            extra = {"precision": name[11:]} if version == 6 else {}
+            half = "float16" in spec.dtypes
+            extra = ({"precision": spec.name[11:]} if version == 6
+                     else {})
             # float16 output rounding: 2**-11 relative; tf32: 2**-11 on
             # each operand; float32 elsewhere
-            tol = 1e-2 if version == 5 or name.endswith("_tf32") else 1e-4
-            calls.append((name, np.float16 if version == 5 else
-                          np.float32, dict(version=version, **extra), tol))
+            tol = 1e-2 if half or spec.name.endswith("_tf32") else 1e-4
+            calls.append((spec.name, np.float16 if half else np.float32,
+                          dict(version=version, **extra), tol))
     return calls
 
 
