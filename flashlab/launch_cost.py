@@ -143,7 +143,7 @@ def _gpu_ms(fn, reps=20):
     return statistics.median(times)
 
 
-STEPS = ((2, 8, 1024, 64, False, False), (16, 12, 1024, 64, True, True),
+CASES = ((2, 8, 1024, 64, False, False), (16, 12, 1024, 64, True, True),
          (2, 8, 4096, 64, False, False), (2, 8, 16384, 128, False, False),
          (2, 8, 16384, 64, True, False), (8, 16, 2048, 128, True, True))
 
@@ -165,7 +165,7 @@ def _step(backend, q, k, v, do, causal, train):
         o.backward(do)
 
 
-def steps(cases=STEPS):
+def steps(cases=CASES):
     """[{B, H, N, d, causal, pass, flashlab, flash, cudnn}]: ms of a bf16
     forward or forward+backward step, as a user calls each, by CUDA
     events (host gaps included, as a model pays them)."""

@@ -81,7 +81,7 @@ def test_layout_aligns_every_parameter():
     assert layout.offsets[:9] == tuple(range(0, 72, 8))
     bool_at, f32_at, i64_at, u8_at = layout.offsets[9:]
     assert (bool_at, f32_at, i64_at, u8_at) == (72, 76, 80, 88)
-    assert layout.fmt.size % 8 == 0
+    assert layout.fmt.size == 89  # no tail padding: the driver checks
 
 
 def test_packed_buffer_holds_numba_abi_and_points_only_data(rng):
@@ -117,27 +117,48 @@ def test_packer_refuses_wrong_arrays_by_name():
         kernel.pack(np.zeros((2, 2), np.float32))
 
 
-def test_register_cap_travels_in_the_ptx():
-    text = ".entry f(\n.param .u64 a\n)\n{\nret;\n}"
-    capped = launch.with_max_registers(text, 128)
-    assert ".maxnreg 128" in capped
-    assert capped.index(".maxnreg") < capped.index("{")
-    assert launch.with_max_registers(text, None) == text
-    spec = registry.get("forward_v3")
-    assert spec.max_registers == 128
+def test_register_cap_is_the_assemblers():
+    # v3's cap reaches nvJitLink, as numba's own launches pass it: the
+    # cubins with and without a cap differ
+    assert registry.get("forward_v3").max_registers == 128
+    ptx = ptx_in_fresh_process("forward_v3", 128, 128, "9.0a")
+    capped = launch.assemble(ptx, (9, 0, "a"), 96)
+    free = launch.assemble(ptx, (9, 0, "a"))
+    assert capped[:4] == free[:4] == b"\x7fELF" and capped != free
 
 
-def test_disk_cache_is_keyed_by_target(tmp_path, monkeypatch):
+def ptx_in_fresh_process(name, d, d_v, arch):
+    """PTX of a kernel compiled without the simulator (a new process:
+    numba reads NUMBA_ENABLE_CUDASIM once)."""
+    import os
+    import subprocess
+    import sys
+
+    cc = "(9, 0, 'a')" if arch == "9.0a" else arch
+    code = ("from flashlab.gpu import build; print(build.compile_ptx("
+            f"{name!r}, {d}, {d_v}, {cc}))")
+    env = {k: v for k, v in os.environ.items()
+           if k != "NUMBA_ENABLE_CUDASIM"}
+    return subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True,
+                          check=True).stdout
+
+
+def test_disk_cache_holds_cubins_keyed_by_target(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHLAB_CACHE_DIR", str(tmp_path))
+    ptx = ptx_in_fresh_process("row_dot", 0, 0, "9.0a")
     made = []
 
     def compile_once():
         made.append(1)
-        return ".entry f()\n{\nret;\n}"
+        return ptx
 
     for _ in range(2):
-        launch.cached_ptx("row_dot", 64, 64, (9, 0, "a"), compile_once)
-    launch.cached_ptx("row_dot", 64, 64, (8, 0), compile_once)
+        cubin, entry = launch.cached_module("row_dot", 0, 0, (9, 0, "a"),
+                                            compile_once)
+    assert cubin[:4] == b"\x7fELF" and entry == launch.entry_name(ptx)
+    ptx = ptx_in_fresh_process("row_dot", 0, 0, "(8, 0)")
+    launch.cached_module("row_dot", 0, 0, (8, 0), compile_once)
     assert len(made) == 2  # once per target, then read back
     names = sorted(p.name for p in tmp_path.iterdir())
     assert any("sm_90a" in n for n in names) and any(

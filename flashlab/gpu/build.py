@@ -41,9 +41,10 @@ def load(name, d, d_v, cc=None):
         raise ValueError(
             f"name: {name} needs compute capability {spec.min_cc} or "
             f"newer; this device has {cc[:2]}")
-    ptx = launch.cached_ptx(name, d, d_v, cc,
-                            lambda: compile_ptx(name, d, d_v, cc))
-    return launch.load(ptx, name, signature(name))
+    cubin, entry = launch.cached_module(
+        name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
+        spec.max_registers)
+    return launch.load(cubin, entry, name, signature(name))
 
 
 def kernel_names():
@@ -85,13 +86,12 @@ def compiling_without_gpu(cc):
 
 def compile_ptx(name, d, d_v, cc=(9, 0)):
     """PTX of kernel `name` for head dims d, d_v and target cc (a
-    compute capability, or (9, 0, "a") for Hopper's own instructions),
-    with the kernel's register cap; needs no GPU."""
+    compute capability, or (9, 0, "a") for Hopper's own instructions);
+    needs no GPU. A register cap is the assembler's option (`load`)."""
     from numba import cuda
 
-    spec = registry.get(name)
-    built = spec.make(d, d_v)
+    built = registry.get(name).make(d, d_v)
     with compiling_without_gpu(cc):
         ptx, _ = cuda.compile_ptx(built.py_func, signature(name),
                                   cc=tuple(cc))
-    return launch.with_max_registers(ptx, spec.max_registers)
+    return ptx

@@ -17,10 +17,11 @@ cheap:
 - `Packed`: a call's parameter buffer, built once for (kernel, shapes,
   strides, dtypes, rules); a later call of the same shape only writes
   its data pointers (and its dropout seed) into it.
-- a disk cache of PTX keyed by the kernel, head dims, architecture, the
-  sources it is compiled from and the toolchain's versions, so a new
-  process loads modules without compiling (the driver caches the
-  assembled cubin of that PTX itself).
+- a disk cache of cubins (PTX assembled by nvJitLink, with the kernel's
+  register cap, as numba's own linker does) keyed by the kernel, head
+  dims, architecture, the sources it is compiled from and the
+  toolchain's versions, so a new process loads modules without compiling
+  or assembling anything.
 
 The simulator has no driver: there, `kernel` hands back numba's own
 dispatcher, launched the same way (`k[grid, block, stream](*args)`).
@@ -324,7 +325,8 @@ def source_hash():
         for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
             digest.update(f.name.encode() + f.read_bytes())
     versions = [numba.__version__, llvmlite.__version__,
-                _version("numba-cuda"), _version("cuda-bindings")]
+                _version("numba-cuda"), _version("cuda-bindings"),
+                _version("cuda-core"), _version("nvidia-nvjitlink")]
     digest.update(" ".join(versions).encode())
     return digest.hexdigest()[:16]
 
@@ -339,7 +341,7 @@ def _version(dist):
 
 
 def cache_dir():
-    """Where compiled PTX is kept: $FLASHLAB_CACHE_DIR, else
+    """Where assembled kernels are kept: $FLASHLAB_CACHE_DIR, else
     ~/.cache/flashlab/kernels."""
     base = os.environ.get("FLASHLAB_CACHE_DIR")
     if base:
@@ -347,42 +349,50 @@ def cache_dir():
     return Path.home() / ".cache" / "flashlab" / "kernels"
 
 
-def with_max_registers(ptx, count):
-    """PTX whose kernel entry carries `.maxnreg count` (numba's
-    max_registers, which a driver load of PTX would otherwise lose)."""
-    if count is None:
-        return ptx
-    return re.sub(r"(\.entry\s+\S+\s*\(.*?\))", rf"\1\n.maxnreg {count}",
-                  ptx, count=1, flags=re.S)
+def assemble(ptx, cc, max_registers=None):
+    """A cubin of PTX text for target cc, by nvJitLink (cuda.core's
+    Linker, numba's own), registers capped at max_registers."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+
+    options = LinkerOptions(arch=arch_name(cc),
+                            max_register_count=max_registers)
+    return bytes(Linker(ObjectCode.from_ptx(ptx.encode()),
+                        options=options).link("cubin").code)
 
 
-def cached_ptx(name, d, d_v, cc, compile_fn):
-    """PTX of (name, d, d_v) for target cc from the disk cache, compiled
-    by compile_fn() and stored on a miss."""
-    key = f"{name}-{d}-{d_v}-{arch_name(cc)}-{source_hash()}.ptx"
-    path = cache_dir() / key
-    if path.exists():
-        return path.read_text()
+def cached_module(name, d, d_v, cc, compile_fn, max_registers=None):
+    """(cubin, entry name) of (name, d, d_v) for target cc from the disk
+    cache; on a miss, compile_fn() gives the PTX, assembled and stored."""
+    key = (f"{name}-{d}-{d_v}-{arch_name(cc)}-{max_registers}-"
+           f"{source_hash()}")
+    cubin, entry = cache_dir() / f"{key}.cubin", cache_dir() / f"{key}.entry"
+    if cubin.exists() and entry.exists():
+        return cubin.read_bytes(), entry.read_text()
     ptx = compile_fn()
+    found = assemble(ptx, cc, max_registers), entry_name(ptx)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(ptx)
-        tmp.replace(path)  # atomic: concurrent processes never see half
+        cubin.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((cubin, found[0]), (entry, found[1].encode())):
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)  # atomic: other processes never see half
     except OSError:
         pass  # a read-only home only costs the next process a compile
-    return ptx
+    return found
 
 
-def load(ptx, name, argtypes):
-    """A DriverKernel from PTX text (loaded into the current context)."""
+def load(image, entry, name, argtypes):
+    """A DriverKernel from a cubin (or PTX text) and its entry's name,
+    loaded into the current context."""
     from cuda.bindings import driver
 
     _ensure_context()
-    err, module = driver.cuModuleLoadData(ptx.encode() + b"\0")
+    if isinstance(image, str):
+        image = image.encode() + b"\0"
+    err, module = driver.cuModuleLoadData(image)
     if int(err):
         raise RuntimeError(f"cuModuleLoadData of {name}: {err}")
-    err, fn = driver.cuModuleGetFunction(module, entry_name(ptx).encode())
+    err, fn = driver.cuModuleGetFunction(module, entry.encode())
     if int(err):
         raise RuntimeError(f"cuModuleGetFunction of {name}: {err}")
     return DriverKernel(name, int(fn), argtypes, module)
