@@ -25,6 +25,7 @@ from flashlab.exercises import (  # noqa: F401  (each registers its own)
     chapter07,
     chapter08,
     chapter09,
+    chapter10,
     chapter11,
 )
 from flashlab.exercises.checker import (
