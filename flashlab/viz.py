@@ -538,3 +538,103 @@ $("next").onclick = () => {{
 show();
 }})();</script>"""
     return HTML(page)
+
+
+def gpu_hierarchy(grid=(4, 3), warps=4, lanes=32):
+    """Primer: a grid of thread blocks, one block's warps, one warp's lanes.
+
+    A diagram (matplotlib figure) with the sizes given: grid (x, y) blocks,
+    `warps` warps per block, `lanes` threads per warp.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, (ga, ba, wa) = plt.subplots(
+        1, 3, figsize=(10, 3.2), gridspec_kw={"width_ratios": [3, 2, 3]})
+    gx, gy = grid
+    for x in range(gx):
+        for y in range(gy):
+            ga.add_patch(Rectangle((x, gy - 1 - y), 0.9, 0.9,
+                                   facecolor="C1" if (x, y) == (1, 0)
+                                   else "#fdd9b5", edgecolor="0.3"))
+            ga.text(x + 0.45, gy - 1 - y + 0.45, f"({x}, {y})",
+                    ha="center", va="center", fontsize=7)
+    ga.set_title(f"grid: {gx} x {gy} blocks\n(one per query block, "
+                 "batch x head)", fontsize=9)
+    ga.set_xlim(-0.1, gx)
+    ga.set_ylim(-0.1, gy)
+    for w in range(warps):
+        ba.add_patch(Rectangle((0, warps - 1 - w), 3, 0.85,
+                               facecolor="C0" if w == 0 else "#c6dbef",
+                               edgecolor="0.3"))
+        ba.text(1.5, warps - 1 - w + 0.42, f"warp {w}", ha="center",
+                va="center", fontsize=8)
+    ba.set_title(f"block (1, 0): {warps} warps,\n{warps * lanes} threads, "
+                 "shared memory", fontsize=9)
+    ba.set_xlim(-0.1, 3.1)
+    ba.set_ylim(-0.1, warps)
+    per_row = 8
+    for lane in range(lanes):
+        x, y = lane % per_row, lane // per_row
+        wa.add_patch(Rectangle((x, lanes // per_row - 1 - y), 0.9, 0.9,
+                               facecolor="#c6dbef", edgecolor="0.3"))
+        wa.text(x + 0.45, lanes // per_row - 1 - y + 0.45, str(lane),
+                ha="center", va="center", fontsize=7)
+    wa.set_title(f"warp 0: {lanes} lanes, one instruction at a time,\n"
+                 "each lane its own registers", fontsize=9)
+    wa.set_xlim(-0.1, per_row)
+    wa.set_ylim(-0.1, lanes // per_row)
+    for ax in (ga, ba, wa):
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def sectors(byte_addresses, sector=32):
+    """The distinct `sector`-byte memory segments a warp's load touches."""
+    return np.unique(np.asarray(byte_addresses) // sector)
+
+
+def bank_conflicts(byte_addresses):
+    """Most distinct 4-byte words one shared-memory bank must serve.
+
+    1 is conflict-free; k means the access is replayed k times. Lanes
+    reading the very same word share it (a broadcast), so words, not lanes,
+    are counted per bank.
+    """
+    from flashlab import fragments
+
+    words = np.unique(np.asarray(byte_addresses) // 4)
+    return int(np.bincount(fragments.banks(words * 4), minlength=32).max())
+
+
+def access_patterns(patterns, kind):
+    """Primer: lane -> memory sector (kind "global") or bank ("shared").
+
+    patterns: {title: byte addresses of the 32 lanes}. One panel each,
+    the count (sectors touched, or the conflict degree) in its title.
+    """
+    import matplotlib.pyplot as plt
+
+    from flashlab import fragments
+
+    fig, axes = plt.subplots(1, len(patterns),
+                             figsize=(4.2 * len(patterns), 3.0),
+                             sharey=kind == "shared")
+    for ax, (title, addr) in zip(np.atleast_1d(axes), patterns.items()):
+        addr = np.asarray(addr)
+        if kind == "global":
+            where = addr // 32 - (addr // 32).min()
+            count = f"{len(sectors(addr))} sectors of 32 bytes"
+            ax.set_ylabel("32-byte sector (from the first)")
+        else:
+            where = fragments.banks(addr)
+            count = f"{bank_conflicts(addr)}-way"
+            ax.set_ylabel("shared-memory bank")
+        ax.scatter(np.arange(len(addr)), where, s=14, color="C0")
+        ax.set_xlabel("lane")
+        ax.set_title(f"{title}\n{count}", fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

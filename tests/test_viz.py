@@ -140,3 +140,21 @@ def test_explorer_lanes_end_in_the_same_output(rng):
         assert end["dense"].endswith(end["tiled"].split("= ")[-1])
         assert end["tiled"].endswith(viz._vec(o[i]))
         assert float(end["diff"]) < 1e-14
+
+
+def test_sectors_and_bank_conflicts_count_what_the_primer_says():
+    import matplotlib.pyplot as plt
+
+    lanes = np.arange(32)
+    assert len(viz.sectors(lanes * 4)) == 4  # 128 contiguous bytes
+    assert len(viz.sectors(lanes * 256)) == 32  # one sector per lane
+    assert len(viz.sectors(lanes * 8)) == 8
+    assert viz.bank_conflicts((lanes * 32 + 5) * 4) == 32
+    assert viz.bank_conflicts((lanes * 33 + 5) * 4) == 1
+    assert viz.bank_conflicts(np.zeros(32, int)) == 1  # one word: broadcast
+    assert viz.bank_conflicts(lanes % 2 * 128) == 2  # two words, one bank
+    for fig in (viz.gpu_hierarchy(),
+                viz.access_patterns({"a": lanes * 4}, "global"),
+                viz.access_patterns({"b": lanes * 4}, "shared")):
+        assert fig.axes
+        plt.close(fig)
