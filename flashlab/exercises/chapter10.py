@@ -16,34 +16,34 @@ def _cases_c_fragment(rng):
 def c_fragment(lane):
     """Chapter 10: (4, 2) (row, col) of each float32 lane holds of C/D.
 
-    m16n8 C fragment, lane = 4 g + t: registers 0, 1 in row g, registers
-    2, 3 in row g + 8, columns 2t and 2t + 1 in each pair.
+    m16n8 C fragment, lane = 4 G + t: registers 0, 1 in row G, registers
+    2, 3 in row G + 8, columns 2t and 2t + 1 in each pair.
     """
-    g, t = lane // 4, lane % 4
-    return np.array([[g, 2 * t], [g, 2 * t + 1],
-                     [g + 8, 2 * t], [g + 8, 2 * t + 1]])
+    row, t = lane // 4, lane % 4  # the lane group G, the place t in it
+    return np.array([[row, 2 * t], [row, 2 * t + 1],
+                     [row + 8, 2 * t], [row + 8, 2 * t + 1]])
 
 
 def _c_fragment_a_order(lane):
-    g, t = lane // 4, lane % 4  # A's row order g, g + 8, g, g + 8
-    return np.array([[g, 2 * t], [g + 8, 2 * t + 1],
-                     [g, 2 * t], [g + 8, 2 * t + 1]])
+    row, t = lane // 4, lane % 4  # A's row order G, G + 8, G, G + 8
+    return np.array([[row, 2 * t], [row + 8, 2 * t + 1],
+                     [row, 2 * t], [row + 8, 2 * t + 1]])
 
 
 def _c_fragment_swapped(lane):
-    g, t = lane % 4, lane // 4  # the lane's group and place swapped
-    return np.array([[g, 2 * t], [g, 2 * t + 1],
-                     [g + 8, 2 * t], [g + 8, 2 * t + 1]])
+    row, t = lane % 4, lane // 4  # the lane's group and place swapped
+    return np.array([[row, 2 * t], [row, 2 * t + 1],
+                     [row + 8, 2 * t], [row + 8, 2 * t + 1]])
 
 
 register("c_fragment", Exercise(
     10, "c_fragment(lane) -> int array (4, 2): the (row, col) of each "
     "float32 the lane holds in the m16n8 C/D fragment",
     _cases_c_fragment, c_fragment,
-    (("in C the first two registers share row g and the last two row "
-      "g + 8 (A's order g, g + 8, g, g + 8 is another fragment's)",
+    (("in C the first two registers share row G and the last two row "
+      "G + 8 (A's order G, G + 8, G, G + 8 is another fragment's)",
       _c_fragment_a_order),
-     ("lane = 4 g + t: the row group is lane // 4, the place in it "
+     ("lane = 4 G + t: the row group is lane // 4, the place in it "
       "lane % 4", _c_fragment_swapped))))
 
 # ------------------------------------------------------- swizzled_chunk
