@@ -103,13 +103,16 @@ def test_torch_compile_fullgraph_forward_and_backward(rng):
                                                     (2, 4, 256)))
 
     def step(q, k, v):
-        return fl_torch.attention(q, k, v, is_causal=True).float().sum()
+        return fl_torch.attention(q, k, v, is_causal=True)
 
+    # the op's own output and gradients (a loss summed by inductor would
+    # round in another order than eager's sum)
+    do = torch.randn_like(q)
     eager = step(q, k, v)
-    grads = torch.autograd.grad(eager, (q, k, v))
+    grads = torch.autograd.grad(eager, (q, k, v), do)
     compiled = torch.compile(step, fullgraph=True)
     got = compiled(q, k, v)
-    got_grads = torch.autograd.grad(got, (q, k, v))
+    got_grads = torch.autograd.grad(got, (q, k, v), do)
     assert torch.equal(got, eager)
     for g, h in zip(got_grads, grads):
         assert torch.equal(g, h)
@@ -154,9 +157,7 @@ def test_cuda_graph_training_step_replays(rng):
 def test_driver_loaded_kernels_match_their_abi():
     cc = launch.target(launch.device_cc())
     for name in ("forward_v5_bf16", "backward_v5_dq_bf16", "row_dot"):
-        ptx = launch.cached_ptx(name, 64, 64, cc,
-                                lambda n=name: build.compile_ptx(n, 64, 64,
-                                                                 cc))
+        ptx = build.compile_ptx(name, 64, 64, cc)
         layout = launch.Layout.of(build.signature(name))
         assert launch.code_kinds(layout.codes) == launch.ptx_params(ptx)
         res = build.kernel(name, 64, 64).resources()
