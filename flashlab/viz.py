@@ -190,11 +190,19 @@ def merge_steps(scores, values, split):
         return (f"{name}: m = {st.m:.4g}, l = {st.l:.4f}, u = "
                 f"{np.array2string(np.asarray(st.u), precision=4)}")
 
+    low, high = scores.min(), scores.max()
+    pad = max(high - low, 1.0)
+
     def draw(fig, frame):
         name, st, keys = frame
-        ax = fig.add_subplot(1, 1, 1)
+        ax = fig.add_axes((0.1, 0.17, 0.86, 0.7))
         colors = ["C1" if j in keys else "0.85" for j in range(len(scores))]
-        ax.bar(range(len(scores)), scores, color=colors)
+        # bars from just below the lowest score: near 1000 they differ by 1
+        bars = ax.bar(range(len(scores)), scores - (low - pad), color=colors,
+                      bottom=low - pad)
+        ax.bar_label(bars, labels=[f"{x:g}" for x in scores], fontsize=8)
+        ax.set_ylim(low - pad, high + pad / 2)
+        ax.set_xticks(range(len(scores)))
         ax.axhline(st.m, color="C3", ls="--", label=f"m = {st.m:.4g}")
         ax.set_xlabel("key j")
         ax.set_ylabel("score s_j")
