@@ -26,11 +26,28 @@ def diff_text(old, new, context=3):
         lineterm=""))
 
 
-def diff(old, new, context=3):
-    """Display what changes from `old` to `new` as a diff code block."""
-    from IPython.display import Markdown, display
+def diff(old, new, context=3, fold=False):
+    """Display what changes from `old` to `new` as a diff code block.
 
-    display(Markdown(f"```diff\n{diff_text(old, new, context)}\n```"))
+    fold=True puts the diff in a closed <details> block whose summary says
+    how many lines change, so a long diff does not bury the idea the text
+    around it explains; the reader opens it to see the code.
+    """
+    import html
+
+    from IPython.display import HTML, Markdown, display
+
+    text = diff_text(old, new, context)
+    if not fold:
+        display(Markdown(f"```diff\n{text}\n```"))
+        return
+    lines = text.splitlines()[2:]  # without the ---/+++ header
+    added = sum(line.startswith("+") for line in lines)
+    removed = sum(line.startswith("-") for line in lines)
+    display(HTML(
+        f'<details class="flashlab-diff"><summary>{old.__name__} to '
+        f"{new.__name__}: {added} lines added, {removed} removed (open to "
+        f"see the diff)</summary><pre>{html.escape(text)}</pre></details>"))
 
 
 def glue(name, value, display=False):

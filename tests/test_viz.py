@@ -158,3 +158,20 @@ def test_sectors_and_bank_conflicts_count_what_the_primer_says():
                 viz.access_patterns({"b": lanes * 4}, "shared")):
         assert fig.axes
         plt.close(fig)
+
+
+def test_a_folded_diff_counts_its_lines_and_hides_them():
+    from unittest import mock
+
+    from flashlab import show
+
+    shown = []
+    with mock.patch("IPython.display.display", shown.append):
+        show.diff(online.stream, online.stream_normalized, fold=True)
+        show.diff(online.stream, online.stream_normalized)
+    folded, plain = shown[0].data, shown[1].data
+    body = show.diff_text(online.stream, online.stream_normalized)
+    added = sum(ln.startswith("+") for ln in body.splitlines()[2:])
+    assert folded.startswith('<details class="flashlab-diff">')
+    assert f"{added} lines added" in folded and "</details>" in folded
+    assert plain.startswith("```diff") and "<details" not in plain
