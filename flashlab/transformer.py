@@ -77,20 +77,31 @@ def batches(steps, batch=8, n=32, vocab=32, seed=0):
     return out
 
 
-def train(attention, steps=30, dtype=torch.float64, device="cpu", seed=0,
-          **shape):
-    """Losses of `steps` Adam steps of a TinyLM with this attention."""
+def stepper(attention, dtype=torch.float64, device="cpu", seed=0,
+            optimizer=torch.optim.Adam, lr=1e-2, **shape):
+    """A TinyLM built from `seed` and its optimizer, as step(tokens):
+    one training step on tokens (B, N + 1), returning the loss."""
     torch.manual_seed(seed)
     model = TinyLM(attention, **shape).to(device=device, dtype=dtype)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for tokens in batches(steps, seed=seed):
-        tokens = tokens.to(device)
-        logits = model(tokens[:, :-1])
+    opt = optimizer(model.parameters(), lr=lr)
+
+    def step(tokens):
+        logits = model(tokens[:, :-1])  # (B, N, vocab)
+        # bf16 logits are lifted to float32 for the softmax of the loss
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                tokens[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss.detach()))
-    return losses
+        return loss.detach()
+
+    return step
+
+
+def train(attention, steps=30, dtype=torch.float64, device="cpu", seed=0,
+          **shape):
+    """Losses of `steps` Adam steps of a TinyLM with this attention."""
+    step = stepper(attention, dtype, device, seed, **shape)
+    return [float(step(tokens.to(device)))
+            for tokens in batches(steps, seed=seed)]

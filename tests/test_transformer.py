@@ -34,3 +34,20 @@ def test_training_on_the_gpu_within_float32():
                               **shape)
     for a, b, c in zip(want, got, exact):
         assert abs(b - c) <= max(4 * abs(a - c), 1e-4 * c)
+
+
+def test_stepper_takes_bf16_weights_and_adamw():
+    # the GPT bench's configuration on the CPU (SDPA: flashlab's CPU path
+    # takes float32 and float64): the loss is computed in float32 from
+    # the bf16 logits, and the first one (before any update, same seed)
+    # is float64's within bf16's rounding: 2^-8 of a loss of ~3.6 is
+    # 0.014, and the rounding errors of the layers mostly cancel
+    step = transformer.stepper(F.scaled_dot_product_attention,
+                               dtype=torch.bfloat16,
+                               optimizer=torch.optim.AdamW, lr=1e-3)
+    tokens = transformer.batches(1)[0]
+    loss = step(tokens)
+    assert loss.dtype == torch.float32
+    exact = transformer.train(F.scaled_dot_product_attention, steps=1)[0]
+    assert abs(float(loss) - exact) < 0.02
+    assert torch.isfinite(step(tokens))  # AdamW's update keeps it finite

@@ -1,0 +1,62 @@
+"""Attention as a model calls it, by name, for the torch-level suites.
+
+"flashlab" is flashlab.torch.attention; "torch sdpa" is torch's
+scaled_dot_product_attention choosing its own backend; "torch flash"
+and "torch cudnn" restrict it to one backend.
+"""
+
+_BACKENDS = {"torch flash": "FLASH_ATTENTION",
+             "torch cudnn": "CUDNN_ATTENTION"}
+
+
+def attention(name):
+    """The call `name` names, with SDPA's signature."""
+    import torch.nn.functional as F
+
+    from flashlab import torch as fl_torch
+
+    if name == "flashlab":
+        return fl_torch.attention
+    if name == "torch sdpa":
+        return F.scaled_dot_product_attention
+    if name not in _BACKENDS:
+        raise ValueError(f"name: expected 'flashlab', 'torch sdpa' or one "
+                         f"of {tuple(_BACKENDS)}, got {name!r}")
+
+    def restricted(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, _BACKENDS[name])):
+            return F.scaled_dot_product_attention(*args, **kwargs)
+    return restricted
+
+
+def tensors(device):
+    """inputs(case): q, k, v, dO (B, H, N, d) in the case's dtype, seeded
+    by the shape; q, k, v are leaves with gradients for a fwd+bwd step."""
+    def inputs(case):
+        import torch
+
+        gen = torch.Generator(device=device).manual_seed(case.N + case.B)
+        x = [torch.randn(case.B, case.H, case.N, case.d, device=device,
+                         dtype=getattr(torch, case.dtype), generator=gen)
+             for _ in range(4)]
+        for t in x[:3]:
+            t.requires_grad_(case.pass_ == "fwd+bwd")
+        return x
+    return inputs
+
+
+def call(name):
+    """impl(case, inputs): the forward, or for a fwd+bwd case the
+    forward and autograd's backward from the fixed dO."""
+    def make(case, x):
+        import torch
+
+        attend = attention(name)
+        q, k, v, do = x
+        if case.pass_ == "forward":
+            return lambda: attend(q, k, v, is_causal=case.causal)
+        return lambda: torch.autograd.grad(
+            attend(q, k, v, is_causal=case.causal), (q, k, v), do)
+    return make

@@ -1,0 +1,32 @@
+"""Training shapes: flashlab.torch.attention against SDPA's backends.
+
+bf16, as a model calls each: a forward+backward step at B16 H12 N1K d64
+causal (autograd from a fixed random dO) and a forward at B2 H8 N1K d64,
+against torch's flash backend (the baseline) and cuDNN where this build
+has it. ms by CUDA events (host gaps included, as a model pays them),
+TFLOP/s by costs.flops (forward plus backward for a step). Writes
+training.csv. See the launch-path issue.
+"""
+
+from flashlab.bench import as_user, timing
+from flashlab.bench.runner import Case, Suite
+
+IMPLS = ("flashlab", "torch flash", "torch cudnn")
+SHAPES = (("fwd+bwd", 16, 12, 1024, 64, True),
+          ("forward", 2, 8, 1024, 64, False))
+COLUMNS = ("device", "impl", "pass", "causal", "dtype", "B", "H", "N",
+           "d", "ms", "tflops", "vs_torch")
+SHOWN = ("device", "pass", "impl", "causal", "B", "H", "N", "d", "ms",
+         "tflops", "vs_torch")
+
+
+def suite(shapes=SHAPES, reps=20, device="cuda", dtype="bfloat16"):
+    """One case per (pass, B, H, N, d, causal) of `shapes`."""
+    cases = tuple(Case(*shape, impls=IMPLS, baseline="torch flash",
+                       reps=reps, dtype=dtype) for shape in shapes)
+    impls = {(pass_, name): as_user.call(name)
+             for pass_ in ("forward", "fwd+bwd") for name in IMPLS}
+    return Suite("training", cases, as_user.tensors(device), impls,
+                 timing.on(device), columns=COLUMNS, shown=SHOWN,
+                 device="gpu" if device == "cuda" else "cpu",
+                 csv="training.csv", optional=("torch cudnn",))

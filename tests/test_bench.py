@@ -1,0 +1,266 @@
+"""The benchmark suites and their runner, on the CPU at tiny sizes.
+
+No timing is asserted: the checks are the suites' data (cases,
+baselines, FLOP counts by costs.flops, the shapes the launch-path issue
+names), the rows the runner makes from any times (columns, ratios,
+TFLOP/s), that every implementation a suite times computes the same
+attention, and the files and tables the writer makes.
+"""
+
+import csv
+
+import numpy as np
+import pytest
+import torch
+
+from flashlab import bench, costs, measured, reference
+from flashlab.bench import cli, cpu, gpt, host, report, training
+from flashlab.bench.runner import Case, Suite, run
+
+TINY = (("fwd+bwd", 2, 2, 64, 16, True), ("forward", 1, 3, 48, 16, False))
+
+
+def _costs_flops(case):
+    """FLOPs of one call of `case`, from costs.flops by its pass."""
+    nq = case.N if case.nq is None else case.nq
+    fwd = case.B * case.H * costs.flops(nq, case.N, case.d,
+                                        causal=case.causal)
+    bwd = case.B * case.H * costs.flops(nq, case.N, case.d,
+                                        causal=case.causal, backward=True)
+    return {"forward": fwd, "decode": fwd, "backward": bwd,
+            "fwd+bwd": fwd + bwd}[case.pass_]
+
+
+@pytest.mark.parametrize("name", sorted(bench.SUITES))
+def test_every_suite_is_consistent_data(name):
+    suite = bench.SUITES[name]()
+    assert suite.cases
+    for case in suite.cases:
+        assert case.baseline in case.impls
+        for impl in case.impls:
+            assert (case.pass_, impl) in suite.impls
+        if "tflops" in suite.columns:
+            assert suite.flops(case) == _costs_flops(case)
+        else:
+            assert suite.flops is None
+    assert set(suite.shown) <= set(report.COLUMNS)
+    assert {"impl", "vs_torch"} <= set(suite.columns)
+    assert suite.csv.endswith(".csv")
+
+
+def test_flops_of_a_training_step_are_fourteen_n_squared_d():
+    # 4 B H N^2 d forward + 10 B H N^2 d backward, halved by causality
+    case = training.suite().cases[0]
+    assert (case.pass_, case.B, case.H, case.N, case.d, case.causal) == (
+        "fwd+bwd", 16, 12, 1024, 64, True)
+    assert bench.attention_flops(case) == 14 * 16 * 12 * 1024**2 * 64 / 2
+
+
+def test_suites_measure_the_shapes_the_issue_names():
+    fwd, step = host.suite().cases
+    for case in (fwd, step):
+        assert (case.B, case.H, case.N, case.d, case.causal, case.dtype,
+                case.reps) == (1, 4, 128, 64, True, "bfloat16", 200)
+    assert (fwd.pass_, step.pass_) == ("forward", "fwd+bwd")
+    forward = training.suite().cases[1]
+    assert (forward.pass_, forward.B, forward.H, forward.N, forward.d,
+            forward.dtype) == ("forward", 2, 8, 1024, 64, "bfloat16")
+    assert training.suite().optional == ("torch cudnn",)
+    (model,) = gpt.suite().cases
+    assert (model.B, model.N, model.params["C"], model.params["layers"],
+            model.dtype) == (8, 1024, 512, 4, "bfloat16")
+
+
+def _fixed_clock(ms):
+    """A timer that reports the times in `ms` instead of measuring."""
+    def timer(calls, case):
+        for fn in calls.values():
+            fn()
+        return {name: ms[name] for name in calls}
+    return timer
+
+
+def test_runner_rows_ratios_and_flops_from_given_times(rng):
+    ms = {"ours": float(rng.uniform(1, 5)), "theirs": float(rng.uniform(1, 5)),
+          "missing": 1.0}
+
+    def missing(case, x):
+        def call():
+            raise RuntimeError("no such backend in this build")
+        return call
+
+    case = Case("forward", 2, 3, 256, 32, True, ("ours", "theirs",
+                                                "missing"), "theirs")
+    suite = Suite("fixed", (case,), lambda case: None,
+                  {("forward", "ours"): lambda c, x: lambda: None,
+                   ("forward", "theirs"): lambda c, x: lambda: None,
+                   ("forward", "missing"): missing},
+                  _fixed_clock(ms), columns=report.FIELDS,
+                  shown=report.SHOWN, optional=("missing",))
+    rows = run(suite, progress=False)
+    assert [r["impl"] for r in rows] == ["ours", "theirs"]  # missing: no row
+    flops = 2 * 3 * costs.flops(256, 256, 32, causal=True)
+    for r in rows:
+        assert list(r) == list(report.FIELDS)
+        assert r["ms"] == round(ms[r["impl"]], 4)
+        assert r["vs_torch"] == round(ms["theirs"] / ms[r["impl"]], 3)
+        assert r["tflops"] == round(flops / ms[r["impl"]] / 1e9, 3)
+    assert rows[1]["vs_torch"] == 1.0
+
+
+def test_a_missing_required_impl_is_an_error():
+    def missing(case, x):
+        def call():
+            raise RuntimeError("no such backend in this build")
+        return call
+
+    case = Case("forward", 1, 1, 8, 8, False, ("gone",), "gone")
+    suite = Suite("fixed", (case,), lambda case: None,
+                  {("forward", "gone"): missing}, _fixed_clock({}),
+                  columns=report.FIELDS, shown=report.SHOWN)
+    with pytest.raises(RuntimeError, match="no such backend"):
+        run(suite, progress=False)
+
+
+def _check_csv(path, rows, columns):
+    with open(path, newline="") as f:
+        found = list(csv.DictReader(f))
+    assert list(found[0]) == list(columns)
+    assert len(found) == len(rows)
+    return found
+
+
+def _check_ratios(rows, key="ms", half_unit=5e-5, baseline="torch sdpa"):
+    """Every case's baseline row has ratio 1, the others its time over
+    theirs, up to the rounding of the times (to 2 half_units) and of the
+    ratio (3 decimals)."""
+    for r in rows:
+        base = next(b for b in rows if b["pass"] == r["pass"]
+                    and b["causal"] == r["causal"] and b["N"] == r["N"]
+                    and b["impl"] == baseline)
+        assert base["vs_torch"] == 1.0
+        ratio = base[key] / r[key]
+        bound = 5e-4 + ratio * (half_unit / base[key] + half_unit / r[key])
+        assert r["vs_torch"] > 0
+        assert abs(r["vs_torch"] - ratio) <= bound * (1 + 1e-9)
+
+
+def test_cpu_suite_writes_its_columns_and_ratios(tmp_path):
+    suite = cpu.suite(reps=1, n=64, b=1, h=2, d=16, threads=1)
+    rows = cli.measure(suite, str(tmp_path))
+    _check_csv(tmp_path / "bench.csv", rows, report.FIELDS)
+    assert len(rows) == 12  # 2 x (4 forward + 2 backward)
+    assert {r["device"] for r in rows} == {"cpu x1"}
+    assert [r["vs_torch"] for r in rows if r["impl"] == "torch sdpa"] == [
+        1.0] * 4
+    _check_ratios(rows)
+    for r in rows:
+        assert r["tflops"] == pytest.approx(
+            r["B"] * r["H"] * costs.flops(r["N"], r["N"], r["d"],
+                                          causal=r["causal"],
+                                          backward=r["pass"] == "backward")
+            / r["ms"] / 1e9, rel=1e-3, abs=1e-3)
+
+
+def test_host_suite_on_the_cpu(tmp_path):
+    suite = host.suite(shape=(1, 2, 32, 16), calls=3, device="cpu",
+                       dtype="float32")
+    rows = cli.measure(suite, str(tmp_path))
+    found = _check_csv(tmp_path / "host.csv", rows, host.COLUMNS)
+    assert [(r["pass"], r["impl"]) for r in found] == [
+        ("forward", "flashlab"), ("forward", "torch sdpa"),
+        ("fwd+bwd", "flashlab"), ("fwd+bwd", "torch sdpa")]
+    assert all(r["calls"] == 3 and r["us"] > 0 for r in rows)
+    _check_ratios(rows, key="us", half_unit=0.05)
+
+
+def test_training_suite_on_the_cpu_drops_the_missing_backend(tmp_path):
+    # cuDNN has no CPU kernel: its rows are left out, the rest measured
+    suite = training.suite(shapes=TINY, reps=2, device="cpu",
+                           dtype="float32")
+    rows = cli.measure(suite, str(tmp_path))
+    _check_csv(tmp_path / "training.csv", rows, training.COLUMNS)
+    assert [r["impl"] for r in rows] == ["flashlab", "torch flash"] * 2
+    assert [r["vs_torch"] for r in rows][1::2] == [1.0, 1.0]
+    assert [r["tflops"] for r in rows] == [
+        round(_costs_flops(c) / r["ms"] / 1e9, 3)
+        for c, r in zip([c for c in suite.cases for _ in "ab"], rows)]
+
+
+@pytest.mark.parametrize("name", ["host", "training"])
+def test_every_impl_computes_the_same_attention(name, rng):
+    # float32 on 48 to 64 keys: rounding of O and of the gradients stays
+    # near 1e-6 of their size; 1e-4 leaves room and still catches a
+    # wrong mask, scale or shape (errors of order 1)
+    torch.manual_seed(int(rng.integers(2**31)))
+    make = {"host": lambda: host.suite(shape=(1, 3, 48, 16), calls=1,
+                                       device="cpu", dtype="float32"),
+            "training": lambda: training.suite(shapes=TINY, device="cpu",
+                                               dtype="float32")}[name]
+    suite = make()
+    for case in suite.cases:
+        x = suite.inputs(case)
+        q, k, v, do = (t.detach().double().numpy() for t in x)
+        o = reference.attention(q, k, v, causal=case.causal)
+        for impl in case.impls:
+            if impl == "torch cudnn":
+                continue  # no CPU kernel (the runner drops it)
+            got = suite.impls[case.pass_, impl](case, x)()
+            if case.pass_ == "forward":
+                err = np.abs(got.double().numpy() - o).max()
+            else:
+                err = _gradient_error(q, k, v, do, case.causal, got)
+            assert err < 1e-4, (case.pass_, impl, err)
+
+
+def _gradient_error(q, k, v, do, causal, got):
+    """max |dX - dX_float64| over dQ, dK, dV, torch's float64 math."""
+    leaves = [torch.from_numpy(t).requires_grad_() for t in (q, k, v)]
+    s = leaves[0] @ leaves[1].transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    o = torch.softmax(s, -1) @ leaves[2]
+    want = torch.autograd.grad(o, leaves, torch.from_numpy(do))
+    return max(float((g.double() - w).abs().max())
+               for g, w in zip(got, want))
+
+
+def test_gpt_suite_trains_identically_in_float64(tmp_path):
+    # float64 on the CPU: the two runs give the same losses to rounding
+    # (test_transformer holds 1e-10 over 30 steps); a wrong attention
+    # call would differ by far more from the first step on
+    suite = gpt.suite(batch=2, n=16, width=32, heads=2, layers=1,
+                      vocab=16, reps=3, device="cpu", dtype="float64")
+    rows = cli.measure(suite, str(tmp_path))
+    _check_csv(tmp_path / "gpt.csv", rows, gpt.COLUMNS)
+    ours, theirs = rows
+    assert (ours["impl"], theirs["impl"]) == ("flashlab", "torch sdpa")
+    assert theirs["loss_diff"] == 0.0 and theirs["vs_torch"] == 1.0
+    assert 0 <= ours["loss_diff"] < 1e-10
+    assert (ours["C"], ours["layers"], ours["N"]) == (32, 1, 16)
+
+
+def test_table_reproduces_the_stored_cpu_run():
+    # bench_cpu.txt is what `python -m flashlab.bench --cpu` printed
+    rows = measured.rows("bench_cpu.csv")
+    assert bench.table(rows) in measured.text("bench_cpu.txt")
+
+
+def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
+    rows = bench.main(["--no-gpu", "--out", str(tmp_path)])
+    assert rows == []
+    with open(tmp_path / "bench.csv") as f:
+        assert f.read().strip() == ",".join(report.FIELDS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for flag in ("--host", "--training", "--gpt"):
+        with pytest.raises(SystemExit):
+            bench.main([flag, "--out", str(tmp_path)])
+        assert "no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--cpu", "--no-gpu", "--quick", "--out", "--tensor-cores",
+                 "--backward-only", "--decode", "--ring", "--ceilings",
+                 "--versions", "--host", "--training", "--gpt"):
+        assert flag in out
