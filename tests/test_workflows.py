@@ -98,3 +98,23 @@ def test_buttons_follow_the_one_home_setting():
         ext.COLAB)
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     assert config["repository"]["url"] == ""  # no address is guessed
+
+
+def test_the_setup_cell_installs_from_the_home_or_says_what_to_do():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "book"))
+    import home
+
+    version = home.version()
+    unset = home.setup_cell("")
+    assert "%pip install" not in unset.split("raise ImportError", 1)[0]
+    assert f"dist/flashlab_course-{version}-py3-none-any.whl" in unset
+    assert "repository.url" in unset and "make dist" in unset
+    given = home.setup_cell("https://example.invalid/flashlab")
+    assert (f'%pip install -q "flashlab-course @ git+'
+            f'https://example.invalid/flashlab@v{version}"') in given
+    for cell in (unset, given):
+        assert cell.startswith(home.MARK)
+        assert max(len(line) for line in cell.splitlines()) <= 79
+    assert home.setup_cell() == unset  # _config.yml's home is unset
