@@ -40,7 +40,8 @@ def setup_cell(url=None):
     if url:
         install = [
             "except ImportError:  # a fresh runtime: install this release",
-            f'    %pip install -q "flashlab-course @ git+{url}'
+            f'    home = "{url}"  # repository.url in _config.yml',
+            f'    %pip install -q "flashlab-course @ git+{{home}}'
             f'@v{version()}"',
             "    import flashlab",
         ]

@@ -112,8 +112,9 @@ def test_the_setup_cell_installs_from_the_home_or_says_what_to_do():
     assert f"dist/flashlab_course-{version}-py3-none-any.whl" in unset
     assert "repository.url" in unset and "make dist" in unset
     given = home.setup_cell("https://example.invalid/flashlab")
-    assert (f'%pip install -q "flashlab-course @ git+'
-            f'https://example.invalid/flashlab@v{version}"') in given
+    assert 'home = "https://example.invalid/flashlab"' in given
+    assert (f'%pip install -q "flashlab-course @ git+{{home}}'
+            f'@v{version}"') in given  # IPython expands {home}
     for cell in (unset, given):
         assert cell.startswith(home.MARK)
         assert max(len(line) for line in cell.splitlines()) <= 79
