@@ -22,11 +22,12 @@ def attention(name):
     if name not in _BACKENDS:
         raise ValueError(f"name: expected 'flashlab', 'torch sdpa' or one "
                          f"of {tuple(_BACKENDS)}, got {name!r}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, _BACKENDS[name])
 
     def restricted(*args, **kwargs):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(getattr(SDPBackend, _BACKENDS[name])):
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(*args, **kwargs)
     return restricted
 

@@ -8,7 +8,9 @@ N = 32K causal zigzag) the ring runs on 1 GPU and on every GPU of the
 machine, one process each. The 1-GPU row also times flashlab.gpu on the
 whole sequence without the ring and torch's flash kernel, on the same
 inputs. Times are the slowest rank's median; bytes are what each rank
-sent per call, beside `costs.ring_transfers`. Writes ring.json.
+sent per call, beside `costs.ring_transfers`. Writes ring.json. Each
+rank is a process of its own, so this suite keeps its own loop over
+cases; it shares the GPU timer and the table writer with the others.
 """
 
 import json
