@@ -129,7 +129,8 @@ def rescale_lines(step):
     m_old = "-inf" if old.l == 0 else f"{float(old.m):g}"
     return [
         f"m' = max({m_old}, {float(step.top):g}) = {float(new.m):g},   "
-        f"alpha = exp({m_old} - {float(new.m):g}) = {a:.3f}",
+        + (f"alpha = exp({m_old} - {float(new.m):g}) = {a:.3f}"
+           if old.l else "alpha = 0 (nothing summed yet)"),
         f"l: {float(old.l):.3f} x {a:.3f} = {float(res.l):.3f} "
         f"+ {float(add.l):.3f} = {float(new.l):.3f}",
         f"u: {_vec(old.u)} x {a:.3f} = {_vec(res.u)} "
