@@ -116,7 +116,11 @@ def _run(name, case, fn, args, timeout):
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    worker.join(timeout)
+    try:
+        worker.join(timeout)
+    except KeyboardInterrupt:  # the reader stopped the cell: stop it too
+        _stop(worker)
+        raise
     if worker.is_alive():
         _stop(worker)
         raise ExerciseError(
