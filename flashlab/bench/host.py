@@ -2,11 +2,12 @@
 
 What a model pays per attention call on a small problem, where the GPU's
 own time is far below the host's: (1, 4, 128, 64) bf16 causal, called
-as a user calls each (SDPA with no backend forced), 200 calls a loop
-after warm-up, one synchronize at the loop's end. The forward alone
-(inputs without gradients) and a forward+backward step (autograd from a
-fixed random dO). Microseconds per call; vs_torch = SDPA's / flashlab's.
-Writes host.csv. See the launch-path issue and chapter 10.
+as a user calls each (SDPA with no backend forced), the median of 5
+loops of 200 calls after warm-up, one synchronize at each loop's end.
+The forward alone (inputs without gradients) and a forward+backward
+step (autograd from a fixed random dO). Microseconds per call;
+vs_torch = SDPA's / flashlab's. Writes host.csv. See the launch-path
+issue and chapter 10.
 """
 
 from flashlab.bench import as_user, timing
