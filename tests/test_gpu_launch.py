@@ -208,3 +208,19 @@ def test_backward_plan_matches_the_general_path(rng, dtype):
         # D_i summed in another order: float32 rounding of |dO||O| d
         scale = float(s.abs().max())
         assert float((f - s).abs().max()) <= 1e-4 * scale
+
+
+def test_strided_views_take_the_cached_plan(rng):
+    # a model's q, k, v: heads transposed out of one (B, T, H, d) tensor
+    import torch
+
+    x = torch.tensor(rng.standard_normal((2, 150, 3, 4, 64)),
+                     dtype=torch.bfloat16, device="cuda")
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    assert not q.is_contiguous()
+    gpu._plans.clear()
+    o = gpu.attention(q, k, v, causal=True)
+    check_bf16(o, q, k, v, causal=True)
+    assert len(gpu._plans) == 1
+    assert torch.equal(o, gpu.attention(q.contiguous(), k.contiguous(),
+                                        v.contiguous(), causal=True))

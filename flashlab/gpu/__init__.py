@@ -745,11 +745,13 @@ _plans = {}
 def _fast_key(q, k, v, choice, options, saved=()):
     """The plan key of a call a cached plan may run, else None.
 
-    Plans run the tensor-core kernels on contiguous, 16-byte aligned
-    torch CUDA tensors with no mask or padding arrays (their values
-    would be part of the key); everything else takes the general path,
-    which validates every call from scratch. The key holds everything
-    the checks read, so a call that finds a plan needs none of them.
+    Plans run the tensor-core kernels on torch CUDA tensors with no mask
+    or padding arrays (their values would be part of the key); strided
+    views (a model's heads transposed out of one projection) are copied
+    contiguous per call (`_dense`), contiguous tensors must be 16-byte
+    aligned. Everything else takes the general path, which validates
+    every call from scratch. The key holds everything the checks read,
+    so a call that finds a plan needs none of them.
     """
     from numba import config
 
@@ -759,7 +761,7 @@ def _fast_key(q, k, v, choice, options, saved=()):
                        for x in (q, k, v, *saved))):
         return None
     for x in (q, k, v, *saved):
-        if (not x.is_contiguous() or x.data_ptr() % 16 or not x.numel()
+        if ((x.is_contiguous() and x.data_ptr() % 16) or not x.numel()
                 or x.device != q.device):
             return None
     window = options["window"]
@@ -800,6 +802,7 @@ class _ForwardPlan:
                  block_q, block_k):
         import torch
 
+        q, k, v = _dense(q, k, v)
         d, d_v = q.shape[-1], v.shape[-1]
         name = _forward_name(version, dtype, precision, d, d_v)
         br, bc, self.threads = FORWARDS[version].shape(d, d_v)
@@ -847,6 +850,7 @@ class _ForwardPlan:
         return o, lse, bad
 
     def __call__(self, q, k, v, seed):
+        q, k, v = _dense(q, k, v)
         o, lse, bad = self._outputs(q)
         stream = _stream(q)
         self.find.point(0, v.data_ptr())
@@ -870,6 +874,7 @@ class _BackwardPlan:
 
     def __init__(self, q, k, v, o, lse, do, dtype, options):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
+        q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         call = _Call(q, k, v, options)
         d, d_v = q.shape[-1], v.shape[-1]
         self.call, self.d, self.d_v = call, d, d_v
@@ -920,6 +925,7 @@ class _BackwardPlan:
         return grads
 
     def __call__(self, q, k, v, o, lse, do, seed):
+        q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         delta = self._delta(q)
         dq, dk, dv = self._grads(q)
         stream = _stream(q)
@@ -948,3 +954,10 @@ def _check_seed(seed):
             or not 0 <= seed < 2**64:
         raise ValueError(f"seed: expected an integer in [0, 2**64) when "
                          f"dropout_p > 0, got {seed!r}")
+
+
+def _dense(*tensors):
+    """The tensors as the packed kernels read them: contiguous (a copy
+    only of a strided view; torch's copies start 16-byte aligned)."""
+    return tuple(x if x.is_contiguous() else x.contiguous()
+                 for x in tensors)

@@ -31,8 +31,10 @@ from flashlab.gpu.device import (
 
 # 4 blocks of THREADS threads per SM need <= 128 registers per thread
 # (64K registers per SM); left alone, the compiler takes more and one
-# block in four no longer fits. Capped, nothing spills to local memory
-# (flashlab/data/resources_h200.txt) and v3 runs faster (bench_h200).
+# block in four no longer fits. At d = 128 the cap costs nothing; at
+# d <= 64 today's assembler spills a little to keep under it (local
+# bytes in flashlab/data/resources_h200.txt; bench_h200 was measured
+# with an older one that did not).
 MAX_REGISTERS = 128
 BLOCKS_PER_SM = 4  # what that cap buys (65536 / (128 x THREADS))
 
