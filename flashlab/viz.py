@@ -1,9 +1,10 @@
-"""Step-through figures that work in the static book, with no kernel.
+"""Figures and step-throughs that work in the static book, with no kernel.
 
-Each function runs flashlab's own computation, keeps its trace, and turns
-every step into one frame of a matplotlib animation rendered as HTML with
-First / Previous / Next / Play buttons (`to_jshtml`): the frames are the
-computation's states, never a separate drawing of it.
+Each function runs flashlab's own computation and draws its trace or its
+counts. A step-through turns every step into one frame of a matplotlib
+animation rendered as HTML with First / Previous / Next / Play buttons
+(`to_jshtml`), with every frame's numbers also listed as text: the frames
+are the computation's states, never a separate drawing of it.
 
 - `online_steps`: one query's rescale-then-add, chunk by chunk, with the
   numbers of `rescale_add` (`online.stream`, chapter 3);
@@ -12,8 +13,14 @@ computation's states, never a separate drawing of it.
   numbers in the cells (`tiled.trace`, chapter 5);
 - `traffic_steps`: HBM traffic of the dense and tiled schedules, transfer
   by transfer (`io.ledger(record=True)`, chapter 6);
+- `explorer`: seed 001's dense and tiled lanes for a chosen query, as HTML
+  with a small script (chapter 5);
+- `hbm_sram`: each schedule's HBM <-> on-chip movement with the ledger's
+  counts (chapter 6);
 - `tile_map`: one static panel of the tiles a mask computes in full, masks
-  element by element, or skips (chapter 7).
+  element by element, or skips (chapter 7);
+- `gpu_hierarchy`, `access_patterns` (with `sectors`, `bank_conflicts`):
+  the execution model and memory rules of the primer before chapter 9.
 """
 
 from typing import NamedTuple
