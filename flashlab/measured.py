@@ -3,7 +3,7 @@
 The benchmark tables and ceilings in `flashlab/data/` were measured with
 `python -m flashlab.bench` (tensor_h200: `--tensor-cores`, decode_h200:
 `--decode`, ring_h200x2: `--ring` on two GPUs; launch_h200 with
-`python -m flashlab.launch_cost`), the registers
+`python -m flashlab.launch_cost`, gpt_h200 with `--gpt`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or
 "machine" field names. They are read through importlib.resources, so a
@@ -19,7 +19,8 @@ from importlib import resources
 FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt",
          "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt",
-         "decode_h200.csv", "ring_h200x2.json", "launch_h200.json")
+         "decode_h200.csv", "ring_h200x2.json", "launch_h200.json",
+         "gpt_h200.csv")
 
 
 def text(name):
