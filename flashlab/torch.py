@@ -185,6 +185,8 @@ _encoded = {}
 _decoded = {}
 
 
+# torch.compile calls this at trace time and keeps the text as a constant
+@torch._dynamo.assume_constant_result
 def _encode(options):
     """options (keywords that are not tensors) as the op's JSON string."""
     key = (tuple(options), tuple(map(_hashable, options.values())))
