@@ -116,13 +116,16 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # lse's gradient is never read
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, _dlse, backward=None):
+    """Gradients of q, k, v (None for the rest) by the backward op, or
+    by `backward` (the same computation, called directly)."""
     if torch.is_grad_enabled():  # create_graph=True: a 2nd derivative
         raise RuntimeError(_SECOND_ORDER)
     if do is None:  # o took no part in the loss
         return (None,) * 7
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(q, k, v, o, lse, do, *ctx.rest)
+    dq, dk, dv = (backward or attention_backward_op)(q, k, v, o, lse, do,
+                                                     *ctx.rest)
     return dq, dk, dv, None, None, None, None
 
 
@@ -151,13 +154,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        if torch.is_grad_enabled():
-            raise RuntimeError(_SECOND_ORDER)
-        if do is None:  # o took no part in the loss
-            return (None,) * 7
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_of(q, k, v, o, lse, do, *ctx.rest)
-        return dq, dk, dv, None, None, None, None
+        return _backward(ctx, do, _dlse, _backward_of)
 
 
 def _call(*args):
