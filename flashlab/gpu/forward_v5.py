@@ -13,7 +13,7 @@ and O accumulate in float32; the output is rounded to the input's dtype.
 
 from numba import cuda, float32, int16, int32, uint32
 
-from flashlab.gpu.device import F0, NAN, NEG_INF, bad_bits
+from flashlab.gpu.device import F0, NEG_INF
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
@@ -35,8 +35,8 @@ from flashlab.gpu.warp import (
     ldmatrix_b,
     ldmatrix_b_trans,
     load_tile16,
+    make_store_rows16,
     rescale,
-    row_end,
     swizzled_offset,
     tile_range,
     tile_softmax,
@@ -60,6 +60,7 @@ def make(D, D_V, kind="bf16"):
     NO = D_V // 8  # n-tiles of O
     CQ, CV = D // 8, D_V // 8  # 16-byte chunks per SRAM row
     Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
+    store_rows = make_store_rows16(pack, NO)  # the epilogue
 
     @cuda.jit
     def forward_v5(q, k, v, o, lse, bad, rules, kv_len, mask):
@@ -156,24 +157,6 @@ def make(D, D_V, kind="bf16"):
                             of[2 * op + y, x] = d[x]
             cp_async_wait_all()
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j
-        # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
-        # flashlab.nonfinite: no key 0 / -inf, all -inf NaN, and NaN in
-        # columns where V holds a NaN or inf (bad, found beforehand)
-        bits = bad_bits(bad, bk, 2 * (lane % 4), NO)  # V's bad columns
-        for h in range(2):
-            inv, lse_i, state = row_end(m[h], l[h], seen[h])
-            i = row + 8 * h
-            if i < nq:
-                for n in range(NO):
-                    x = 8 * n + 2 * (lane % 4)
-                    v0, v1 = of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv
-                    if state == 1:  # no key: 0, even where O_i is NaN
-                        v0 = v1 = F0
-                    else:
-                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
-                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 else v1
-                    o[b, i, x // 2] = pack(v0, v1)
-                if lane % 4 == 0:
-                    lse[b, i] = lse_i
+        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
 
     return forward_v5

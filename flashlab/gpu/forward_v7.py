@@ -16,7 +16,7 @@ cp.async. sm_90a only: compile with cc=(9, 0, "a"). See chapter 12.
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
-from flashlab.gpu.device import F0, NAN, NEG_INF, bad_bits, inline
+from flashlab.gpu.device import F0, NEG_INF, inline
 from flashlab.gpu.intrinsics import (
     cp_async16,
     cp_async_commit,
@@ -30,8 +30,8 @@ from flashlab.gpu.warp import (
     BR,
     THREADS,
     a_from_c,
+    make_store_rows16,
     rescale,
-    row_end,
     tile_range,
     tile_softmax,
 )
@@ -80,6 +80,7 @@ def make(D, D_V, kind="bf16"):
     NS = BC // 8  # 8-column groups of S
     NO = D_V // 8  # 8-column groups of O
     Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
+    store_rows = make_store_rows16(pack, NO)  # the epilogue
     TILES = Q_S + K_S + V_S
     lbo_k, sbo_k, step_k = fragments.k_major(D // 8)  # Q, K: K along rows
     lbo_v, sbo_v, step_v = fragments.mn_major(D_V // 8)  # V: K down rows
@@ -152,24 +153,7 @@ def make(D, D_V, kind="bf16"):
             o_product(of, pf, v_desc)
             landed()
             cuda.syncthreads()  # K_{j+1} landed; no wgmma reads V_j
-        # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
-        # flashlab.nonfinite, as v5
-        bits = bad_bits(bad, bk, 2 * (lane % 4), NO)  # V's bad columns
-        for h in range(2):
-            inv, lse_i, state = row_end(m[h], l[h], seen[h])
-            i = row + 8 * h
-            if i < nq:
-                for n in range(NO):
-                    x = 8 * n + 2 * (lane % 4)
-                    v0, v1 = of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv
-                    if state == 1:  # no key: 0, even where O_i is NaN
-                        v0 = v1 = F0
-                    else:
-                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
-                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 else v1
-                    o[b, i, x // 2] = pack(v0, v1)
-                if lane % 4 == 0:
-                    lse[b, i] = lse_i
+        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
 
     return forward_v7
 

@@ -18,6 +18,7 @@ from flashlab.gpu.device import (
     NAN,
     NEG_INF,
     allowed,
+    bad_bits,
     dropout_weight,
     inline,
     tile_full,
@@ -239,6 +240,36 @@ def row_end(m_h, l_h, seen_h):
     if total == F0:
         return NAN, NAN, 2
     return np.float32(1) / total, (m_h + math.log2(total)) * LN2, 0
+
+
+def make_store_rows16(pack, n_tiles):
+    """store_rows16 for one 16-bit `pack` and n_tiles 8-column groups of
+    O (the epilogue of every 16-bit tensor-core forward)."""
+
+    @inline
+    def store_rows16(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq):
+        """A warp's rows g and g + 8 out: O_i / l rounded to 16-bit pairs
+        and lse = ln 2 (m + log2 l), with the rule of flashlab.nonfinite:
+        no key 0 and -inf, all scores -inf NaN, and NaN in the columns
+        where V[bk] holds a NaN or inf (bad, device.find_bad_parts)."""
+        bits = bad_bits(bad, bk, 2 * (lane % 4), n_tiles)
+        for h in range(2):
+            inv, lse_i, state = row_end(m[h], l[h], seen[h])
+            i = row + 8 * h
+            if i < nq:
+                for n in range(n_tiles):
+                    x = 8 * n + 2 * (lane % 4)
+                    v0, v1 = of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv
+                    if state == 1:  # no key: 0, even where O_i is NaN
+                        v0 = v1 = F0
+                    else:
+                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
+                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 else v1
+                    o[b, i, x // 2] = pack(v0, v1)
+                if lane % 4 == 0:
+                    lse[b, i] = lse_i
+
+    return store_rows16
 
 
 @inline
