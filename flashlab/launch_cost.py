@@ -10,17 +10,15 @@ replay of a CUDA graph holding the launch. Host microseconds per
 launch, median of several loops, the stream synchronized once per loop.
 A measurement, never a test; see chapter 10.
 
-`main` adds what a model sees: host microseconds per call of
-flashlab.torch.attention and of torch's SDPA, in one process, on the
-shapes of the launch-path issue, the GPU time of training steps against
-SDPA's flash and cuDNN backends, and the cold start of a new process
-with and without the disk cache:
+`main` adds what a model sees, through the bench's own suites (host
+microseconds per call against torch's SDPA, training steps against its
+flash and cuDNN backends) and the cold start of a new process with and
+without the disk cache:
 
     python -m flashlab.launch_cost --out DIR   # writes launch.json
 """
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -93,106 +91,13 @@ def ladder(calls=2000):
     return {name: _per_call(fn, calls) for name, fn in zip(STEPS, steps)}
 
 
-def host_per_call(calls=200):
-    """{case: {"flashlab", "sdpa"}} host microseconds per call at (1, 4,
-    128, 64) bf16 causal: the forward without and with autograd, and a
-    forward+backward step; the GPU's own time is far below these."""
-    import torch
-    import torch.nn.functional as F
-
-    from flashlab import torch as fl_torch
-
-    q, k, v = (torch.randn(1, 4, 128, 64, device="cuda",
-                           dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    do = torch.randn_like(q)
-    impls = {"flashlab": fl_torch.attention,
-             "sdpa": F.scaled_dot_product_attention}
-    out = {}
-    for case in ("forward, no grad", "forward", "forward+backward"):
-        out[case] = {}
-        for name, fn in impls.items():
-            def call(fn=fn, case=case):
-                if case == "forward, no grad":
-                    with torch.no_grad():
-                        fn(q, k, v, is_causal=True)
-                elif case == "forward":
-                    fn(q, k, v, is_causal=True)
-                else:
-                    fn(q, k, v, is_causal=True).backward(do)
-
-            out[case][name] = round(_per_call(call, calls), 1)
-    return out
-
-
-def _gpu_ms(fn, reps=20):
-    """Median milliseconds of fn() by CUDA events, after warm-up."""
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = (torch.cuda.Event(enable_timing=True)
-                       for _ in range(2))
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
-CASES = ((2, 8, 1024, 64, False, False), (16, 12, 1024, 64, True, True),
-         (2, 8, 4096, 64, False, False), (2, 8, 16384, 128, False, False),
-         (2, 8, 16384, 64, True, False), (8, 16, 2048, 128, True, True))
-
-
-def _step(backend, q, k, v, do, causal, train):
-    """One forward (and backward) through flashlab (backend None) or
-    torch's SDPA restricted to `backend`."""
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
-
-    from flashlab import torch as fl_torch
-
-    if backend is None:
-        o = fl_torch.attention(q, k, v, is_causal=causal)
-    else:
-        with sdpa_kernel(backend):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    if train:
-        o.backward(do)
-
-
-def steps(cases=CASES):
-    """[{B, H, N, d, causal, pass, flashlab, flash, cudnn}]: ms of a bf16
-    forward or forward+backward step, as a user calls each, by CUDA
-    events (host gaps included, as a model pays them)."""
-    import torch
-    from torch.nn.attention import SDPBackend
-
-    rows = []
-    for b, h, n, d, causal, train in cases:
-        q, k, v = (torch.randn(b, h, n, d, device="cuda",
-                               dtype=torch.bfloat16, requires_grad=train)
-                   for _ in range(3))
-        do = torch.randn_like(q)
-        row = dict(B=b, H=h, N=n, d=d, causal=causal,
-                   **{"pass": "fwd+bwd" if train else "fwd"})
-        for name, backend in (("flashlab", None),
-                              ("flash", SDPBackend.FLASH_ATTENTION),
-                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-            run = functools.partial(_step, backend, q, k, v, do, causal,
-                                    train)
-            with torch.set_grad_enabled(train):
-                try:
-                    row[name] = round(_gpu_ms(run), 4)
-                except RuntimeError:  # a backend this build lacks
-                    row[name] = None
-        rows.append(row)
-        print(row, flush=True)
-    return rows
+# the training-step shapes of chapter 10: (pass, B, H, N, d, causal)
+STEP_SHAPES = (("forward", 2, 8, 1024, 64, False),
+               ("fwd+bwd", 16, 12, 1024, 64, True),
+               ("forward", 2, 8, 4096, 64, False),
+               ("forward", 2, 8, 16384, 128, False),
+               ("forward", 2, 8, 16384, 64, True),
+               ("fwd+bwd", 8, 16, 2048, 128, True))
 
 
 def cold_start():
@@ -213,31 +118,26 @@ def cold_start():
 
 
 def main(argv=None):
-    """Measure everything above; write DIR/launch.json, print a table."""
-    from flashlab import bench
+    """The ladder and the cold start, then the bench's host and training
+    suites (flashlab.bench.host, .training) at STEP_SHAPES; writes
+    DIR/launch.json and prints the tables."""
+    from flashlab.bench import host, report, runner, training
 
     parser = argparse.ArgumentParser(prog="python -m flashlab.launch_cost")
     parser.add_argument("--out", default="bench_results")
     args = parser.parse_args(argv)
-    found = {"machine": bench.machine(), "ladder": ladder(),
-             "host_us": host_per_call(), "cold_start_s": cold_start(),
-             "steps": steps()}
+    found = {"machine": report.machine(), "ladder": ladder(),
+             "cold_start_s": cold_start(),
+             "host": runner.run(host.suite()),
+             "steps": runner.run(training.suite(STEP_SHAPES))}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "launch.json"), "w") as f:
         json.dump(found, f, indent=1)
     for step, us in found["ladder"].items():
         print(f"{step:<28} {us:8.1f} us per launch")
-    for case, us in found["host_us"].items():
-        print(f"{case:<28} flashlab {us['flashlab']:7.1f} us, sdpa "
-              f"{us['sdpa']:6.1f} us, ratio "
-              f"{us['sdpa'] / us['flashlab']:.2f}")
-    for row in found["steps"]:
-        ratio = row["flash"] / row["flashlab"]
-        print(f"B{row['B']} H{row['H']} N{row['N']} d{row['d']} "
-              f"{'causal' if row['causal'] else 'full'} {row['pass']}: "
-              f"{row['flashlab']:.3f} ms, flash {row['flash']:.3f} ms "
-              f"({ratio:.2f}x flash)")
     print("cold start", found["cold_start_s"])
+    print(report.table(found["host"], host.SHOWN))
+    print(report.table(found["steps"], training.SHOWN))
 
 
 if __name__ == "__main__":
