@@ -53,3 +53,18 @@ def test_no_path_leaves_the_notebook_directory(path):
     """A chapter runs alone: it reads data through the installed package."""
     code = "\n".join("".join(c["source"]) for c in cells(path, "code"))
     assert "../" not in code and "..\\" not in code
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_setup_cell_follows_the_home(path):
+    """The first code cell is book/home.py's for _config.yml's home,
+    folded in the book (hide-input) and still run by nbval."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "book"))
+    import home
+
+    first = cells(path, "code")[0]
+    assert "".join(first["source"]) == home.setup_cell(), (
+        "run `python book/home.py --write`")
+    assert "hide-input" in first["metadata"].get("tags", [])
