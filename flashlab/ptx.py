@@ -74,28 +74,40 @@ def ptxas():
     return shutil.which("ptxas")
 
 
-def assemble(ptx, cc=(9, 0)):
-    """{"regs", "stack", "spill"}: registers per thread, stack frame and
-    spill-store bytes per thread of PTX text, assembled by `ptxas()` for
-    compute capability cc (the same assembler a driver runs)."""
+def cubin(ptx, cc=(9, 0), max_registers=None):
+    """(cubin bytes, ptxas's -v report) of PTX text assembled whole by
+    `ptxas()` for compute capability cc, registers capped at
+    max_registers."""
     tool = ptxas()
     if tool is None:
         raise RuntimeError("ptxas not found: pip install -r requirements.txt"
                            " (nvidia-cuda-nvcc) or put CUDA's bin on PATH")
+    cap = [] if max_registers is None else [
+        f"--maxrregcount={max_registers}"]
     with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "kernel.ptx"
+        source, out = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         source.write_text(ptx)
         done = subprocess.run(
-            [tool, f"-arch={arch_name(cc)}", "-v", str(source), "-o",
-             str(Path(tmp) / "kernel.cubin")],
-            capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"ptxas failed:\n{done.stderr[-2000:]}")
-    regs = re.search(r"Used (\d+) registers", done.stderr)
+            [tool, f"-arch={arch_name(cc)}", "-v", *cap, str(source), "-o",
+             str(out)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"ptxas failed:\n{done.stderr[-2000:]}")
+        return out.read_bytes(), done.stderr
+
+
+def assemble(ptx, cc=(9, 0)):
+    """{"regs", "stack", "spill", "serialized"}: registers per thread,
+    stack frame and spill-store bytes per thread of PTX text, assembled
+    by `ptxas()` for compute capability cc (the same assembler a driver
+    runs), and whether ptxas had to wait for each wgmma at once."""
+    log = cubin(ptx, cc)[1]
+    regs = re.search(r"Used (\d+) registers", log)
     stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores",
-                      done.stderr)
+                      log)
     return {"regs": int(regs.group(1)), "stack": int(stack.group(1)),
-            "spill": int(stack.group(2))}
+            "spill": int(stack.group(2)),
+            # ptxas could not keep the wgmma products asynchronous
+            "serialized": "instructions are serialized" in log}
 
 
 def arch_name(cc):

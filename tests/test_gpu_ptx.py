@@ -9,7 +9,7 @@ without NUMBA_ENABLE_CUDASIM (numba reads that flag once per process).
 import pytest
 
 from flashlab import gpu, ptx
-from flashlab.gpu import backward_v5
+from flashlab.gpu import backward_v5, forward_v7
 
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
 
@@ -104,9 +104,9 @@ def test_counters_on_known_text():
     assert ptx.tensor_ops(text) == 1
 
 
-# forward_v7 (wgmma) is built for sm_90a only and is not in the registry
-# yet, so `report` does not compile it: it is compiled here, in a fresh
-# process as well, and assembled by ptxas for sm_90a
+# forward_v7 (wgmma) is built for sm_90a only, so `report` does not
+# compile it: it is compiled here, in a fresh process as well, and
+# assembled by ptxas for sm_90a
 V7_CASES = (("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
             ("f16", 64, 64), ("f16", 128, 128))
 V7_SCRIPT = """
@@ -125,6 +125,7 @@ for kind, d, dv in json.loads(sys.argv[1]):
         sm90 = False
     out[f"{kind} {d} {dv}"] = dict(
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
+        wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
         shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
         abi=launch.code_kinds(launch.param_codes(sig))
@@ -152,16 +153,29 @@ def v7_report():
 
 
 def test_v7_products_are_wgmma_from_registers_and_shared(v7_report):
-    # per K/V tile: d / 16 k-steps of S = Q K^T (m64n64k16) and 64 / 16 of
-    # O += P V (m64n<d_v>k16), one wgmma each; no mma.sync left, no
-    # float64, no local memory, within the static shared-memory limit
+    # S = Q K^T is d / 16 k-steps of m64n<Bc>k16 and O += P V Bc / 16 of
+    # m64n<d_v>k16, each issued twice in the text (the first tile before
+    # the loop, the last P V after it); no mma.sync left, no float64, no
+    # local memory; the tiles are dynamic shared memory, none static
     assert set(v7_report) == {f"{k} {d} {dv}" for k, d, dv in V7_CASES}
     for key, r in v7_report.items():
-        d = int(key.split()[1])
-        assert r["wgmma"] == d // 16 + 64 // 16, (key, r)
+        d, dv = map(int, key.split()[1:])
+        bc = forward_v7.BLOCK_K[d]
+        assert r["wgmma"] == 2 * (d // 16 + bc // 16), (key, r)
         assert r["mma"] == 0 and r["f64"] == 0 and r["local"] == 0, key
-        assert r["exp"] > 0 and r["shared"] <= SHARED_LIMIT, (key, r)
+        assert r["exp"] > 0 and r["shared"] == 0, (key, r)
         assert r["abi"], f"{key}: launch.Layout and the PTX disagree"
+        # Q_i and two stages of K_j, V_j fit a Hopper block (227 KB)
+        assert forward_v7.shared_bytes(d, dv) <= 227 * 1024, key
+
+
+def test_v7_softmax_overlaps_the_products(v7_report):
+    # the pipeline waits with one group still in flight (P V runs under
+    # the softmax), and ptxas kept every wgmma asynchronous: nothing
+    # touches an accumulator or an A fragment before its wait
+    for key, r in v7_report.items():
+        assert r["wait1"] == 1, (key, r)
+        assert not r["serialized"], f"{key}: ptxas serialized the wgmmas"
 
 
 def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):

@@ -44,7 +44,10 @@ def load(name, d, d_v, cc=None):
     cubin, entry = launch.cached_module(
         name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
         spec.max_registers)
-    return launch.load(cubin, entry, name, signature(name))
+    loaded = launch.load(cubin, entry, name, signature(name))
+    if spec.shared is not None:
+        loaded.use_shared(spec.shared(d, d_v))
+    return loaded
 
 
 def kernel_names():

@@ -1,16 +1,27 @@
-"""Forward v7: v5 on Hopper's warpgroup MMA (wgmma), bf16 or float16.
+"""Forward v7: FlashAttention-3's forward on Hopper's warpgroup MMA.
 
-The block is one warpgroup: four warps, 64 query rows, as in v5, and the
-same semantics through the same helpers. What changes is the product:
-S_ij = Q_i K_j^T is 4 (d = 64) or 8 (d = 128) wgmma m64n64k16 that read
-Q_i and K_j from shared memory through descriptors, and O_i += P_ij V_j
-is 4 wgmma m64n<d_v>k16 that take P_ij from registers (S's accumulator,
-rounded to 16 bits, is already the A operand) and V_j, stored keys x d_v,
-read transposed. A wgmma accumulator is v5's C fragments stacked over
-the warpgroup (fragments.wgmma_c_places), so v5's softmax, masks,
-dropout, rescale and epilogue apply to it unchanged. Tiles lie in shared
-memory as unswizzled core matrices (fragments.core_offset), copied by
-cp.async. sm_90a only: compile with cc=(9, 0, "a"). See chapter 12.
+bf16 or float16, sm_90a only (compile with cc=(9, 0, "a")). A block is
+two warpgroups (eight warps, 128 query rows); each warpgroup owns 64 rows
+of Q_i and both read the same K_j, V_j tiles, so a tile loaded once
+feeds 128 rows. Per tile:
+
+- S_ij = Q_i K_j^T is KD wgmma m64n<Bc>k16 reading Q_i and K_j from
+  shared memory through descriptors;
+- O_i += P_ij V_j is KP wgmma m64n<d_v>k16 taking P_ij from registers
+  (S's accumulator rounded to 16 bits is already the A operand) and V_j,
+  stored keys x d_v, read transposed.
+
+The products are asynchronous, and the loop is FlashAttention-3's
+intra-warpgroup pipeline: it issues S_{i,j+1} and O_i += P_ij V_j, waits
+for S_{i,j+1} only, and computes its softmax while P_ij V_j is still on
+the tensor cores. K and V tiles are double-buffered: the copies of
+V_{j+1} and K_{j+2} (cp.async, into the stages no product reads any
+more) fly during tile j + 1's work, and one barrier per tile hands them
+over. A wgmma accumulator is v5's C fragments stacked over a warpgroup
+(fragments.wgmma_c_places), so v5's softmax, masks, dropout, rescale and
+epilogue apply to it unchanged. Tiles lie in shared memory as unswizzled
+core matrices (fragments.core_offset); the block's shared memory is
+dynamic (over the 48 KB static limit). See chapter 12.
 """
 
 from numba import cuda, float32, int16, int32, uint32, uint64
@@ -21,23 +32,25 @@ from flashlab.gpu.intrinsics import (
     cp_async16,
     cp_async_commit,
     cp_async_wait_all,
+    cp_async_wait_one,
     global_address,
     pack_bf16x2,
     pack_f16x2,
     shared_address,
 )
 from flashlab.gpu.warp import (
-    BR,
-    THREADS,
     a_from_c,
     make_store_rows16,
     rescale,
     tile_range,
     tile_softmax,
 )
-from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence
+from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
-BC = 64  # keys per K/V tile
+GROUPS = 2  # consumer warpgroups per block
+THREADS = 128 * GROUPS
+BR = 64 * GROUPS  # query rows per block: 64 per warpgroup
+BLOCK_K = {64: 128, 128: 128}  # keys per K/V tile, by d
 HEAD_DIMS = (64, 128)
 CC = (9, 0, "a")  # wgmma exists on sm_90a only
 
@@ -47,7 +60,13 @@ descriptor = cuda.jit(device=True)(fragments.descriptor)
 
 def shape(d, d_v):
     """(Br, Bc, threads per block) for head dims d, d_v."""
-    return BR, BC, THREADS
+    return BR, BLOCK_K[d], THREADS
+
+
+def shared_bytes(d, d_v):
+    """Dynamic shared memory per block: Q_i and two stages of K_j, V_j."""
+    bc = BLOCK_K[d]
+    return 2 * (BR * d + 2 * bc * d + 2 * bc * d_v)
 
 
 @inline
@@ -66,34 +85,44 @@ def load_cores(dst, src, b, r0, rows, cols, t):
 
 
 @inline
-def landed():
-    """Wait for this thread's copies and hand them to wgmma's proxy."""
-    cp_async_wait_all()
+def handed_over():
+    """This thread's landed copies to wgmma's proxy, then every thread's
+    (the barrier): the tiles are ready to be read by the products."""
     proxy_fence()
+    cuda.syncthreads()
 
 
 def make(D, D_V, kind="bf16"):
     """The v7 kernel for head dims D, D_V and 16-bit `kind` (bf16, f16)."""
     pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}[kind]
+    BC = BLOCK_K[D]
     KD = D // 16  # k-steps of S = Q K^T
     KP = BC // 16  # k-steps of O += P V
     NS = BC // 8  # 8-column groups of S
     NO = D_V // 8  # 8-column groups of O
     Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
     store_rows = make_store_rows16(pack, NO)  # the epilogue
-    TILES = Q_S + K_S + V_S
     lbo_k, sbo_k, step_k = fragments.k_major(D // 8)  # Q, K: K along rows
     lbo_v, sbo_v, step_v = fragments.mn_major(D_V // 8)  # V: K down rows
-    s_product = mma_ss(BC, KD, step_k, step_k, kind)  # S = Q K^T
-    o_product = mma_rs(D_V, KP, step_v, kind)  # O += P V
+    s_issue = mma_ss(BC, KD, step_k, step_k, kind, wait=False)
+    o_issue = mma_rs(D_V, KP, step_v, kind, wait=False)
+    s_wait_one = wait_for(1, NS * 4)  # S in; O += P V may still fly
+    s_wait = wait_for(0, NS * 4)
+    o_wait = wait_for(0, NO * 4, KP * 4)  # O, and P (its A operand)
+
+    @inline
+    def to_a(pf, sf):
+        """P_ij (float32 C fragments) -> the A fragments of P V."""
+        for kp in range(KP):
+            for x in range(4):
+                n, e = a_from_c(x)
+                pf[kp, x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
 
     @cuda.jit
     def forward_v7(q, k, v, o, lse, bad, rules, kv_len, mask):
         # q, k, v: (BH, N, d) 16-bit bits; o: (BH, Nq, d_v / 2) pairs
-        # Q_i, K_j, V_j in one array: the block's only static shared
-        # memory starts its window, so all three are 16-byte aligned as
-        # descriptors and cp.async need (numba aligns an int16 array to 2)
-        tiles = cuda.shared.array(TILES, int16)
+        # dynamic shared memory: Q_i, K stages 0 and 1, V stages 0 and 1
+        tiles = cuda.shared.array(0, int16)
         sf = cuda.local.array((NS, 4), float32)  # S_ij, then P_ij
         pf = cuda.local.array((KP, 4), int32)  # P_ij: A of each k-step
         of = cuda.local.array((NO, 4), float32)  # O_i, unnormalized
@@ -111,18 +140,15 @@ def make(D, D_V, kind="bf16"):
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
         q_at = shared_address(tiles, 0)
-        k_at, v_at = q_at + uint32(2 * Q_S), q_at + uint32(2 * (Q_S + K_S))
-        # the descriptors of k-step 0; wgmma_ss/rs add the step per k-step
-        q_desc = uint64(descriptor(q_at, lbo_k, sbo_k))
+        k_at = q_at + uint32(2 * Q_S)  # stage s at + 2 K_S s bytes
+        v_at = k_at + uint32(4 * K_S)
+        # this warpgroup's 64 rows of Q_i; k-step 0 of stage 0 of K and V
+        q_desc = uint64(descriptor(q_at + uint32(2 * D * 64 * (w // 4)),
+                                   lbo_k, sbo_k))
         k_desc = uint64(descriptor(k_at, lbo_k, sbo_k))
         v_desc = uint64(descriptor(v_at, lbo_v, sbo_v))
-        # HBM -> SRAM: Q_i (Br d) and the first K tile (Bc d)
-        load_cores(q_at, q, b, i0, BR, D, t)
-        if first <= last:
-            load_cores(k_at, k, bk, first * BC, BC, D, t)
-        cp_async_commit()
-        landed()
-        cuda.syncthreads()  # Q_i, K_first in SRAM for wgmma
+        k_next = uint64(2 * K_S >> 4)  # descriptor step to the other stage
+        v_next = uint64(2 * V_S >> 4)
         for h in range(2):
             m[h] = NEG_INF
             l[h] = F0
@@ -130,37 +156,59 @@ def make(D, D_V, kind="bf16"):
         for n in range(NO):
             for x in range(4):
                 of[n, x] = F0
-        for jt in range(first, last + 1):
-            j0 = jt * BC
-            # HBM -> SRAM: V_j (Bc d_v), landing while S_ij is computed
-            load_cores(v_at, v, bk, j0, BC, D_V, t)
+        if first <= last:
+            # HBM -> SRAM: Q_i and K_first, then V_first in a later group
+            load_cores(q_at, q, b, i0, BR, D, t)
+            load_cores(k_at, k, bk, first * BC, BC, D, t)
             cp_async_commit()
-            s_product(sf, q_desc, k_desc)  # S_ij = Q_i K_j^T: (64, Bc)
-            landed()
-            cuda.syncthreads()  # V_j landed; no wgmma reads K_j any more
-            if jt < last:  # HBM -> SRAM: K_{j+1}, during softmax and P V
-                load_cores(k_at, k, bk, j0 + BC, BC, D, t)
-                cp_async_commit()
-            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
-                         nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
+            load_cores(v_at, v, bk, first * BC, BC, D_V, t)
+            cp_async_commit()
+            cp_async_wait_one()  # Q_i, K_first landed; V_first may fly
+            handed_over()
+            s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
+            s_wait(sf)
+            if first < last:  # K_{first+1} into stage 1, free so far
+                load_cores(k_at + uint32(2 * K_S), k, bk, first * BC + BC,
+                           BC, D, t)
+            cp_async_commit()
+            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                         first * BC, nq, nk, rules, kv_len, mask)
+            to_a(pf, sf)
+        for jt in range(first + 1, last + 1):
+            # stage of tile jt: (jt - first) % 2; of tile jt - 1: the other
+            now = uint64((jt - first) % 2)
+            cp_async_wait_all()  # K_jt, V_{jt-1} landed
+            # the barrier also means every warpgroup has waited for S of
+            # tile jt - 1 and P V of jt - 2: stage `1 - now` of K and
+            # stage `now` of V are read by no product any more
+            handed_over()
+            load_cores(v_at + uint32(2 * V_S) * uint32(now), v, bk,
+                       jt * BC, BC, D_V, t)
+            if jt < last:
+                load_cores(k_at + uint32(2 * K_S) * uint32(1 - now), k, bk,
+                           jt * BC + BC, BC, D, t)
+            cp_async_commit()
+            s_issue(sf, q_desc, k_desc + k_next * now)  # S_{i,j}
+            o_issue(of, pf, v_desc + v_next * (1 - now))  # += P V_{j-1}
+            s_wait_one(sf)
+            # the softmax of tile jt while P V of tile jt - 1 runs
+            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                         jt * BC, nq, nk, rules, kv_len, mask)
+            o_wait(of, pf)
             rescale(of, al, NO)
-            # O_i += P_ij V_j: S's accumulator is P V's A operand
-            for kp in range(KP):
-                for x in range(4):
-                    n, e = a_from_c(x)
-                    pf[kp, x] = pack(sf[2 * kp + n, e],
-                                     sf[2 * kp + n, e + 1])
-            o_product(of, pf, v_desc)
-            landed()
-            cuda.syncthreads()  # K_{j+1} landed; no wgmma reads V_j
+            to_a(pf, sf)
+        if first <= last:  # O_i += P V of the last tile
+            cp_async_wait_all()
+            handed_over()
+            o_issue(of, pf, v_desc + v_next * uint64((last - first) % 2))
+            o_wait(of, pf)
         store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
 
     return forward_v7
 
 
 def compile_ptx(d, d_v, kind="bf16"):
-    """PTX of v7 for sm_90a (v5's arguments); needs no GPU. v7 is not in
-    flashlab.gpu.registry yet: nothing dispatches to it."""
+    """PTX of v7 for sm_90a (v5's arguments); needs no GPU."""
     from numba import cuda
 
     from flashlab.gpu import build

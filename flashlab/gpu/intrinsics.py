@@ -282,6 +282,20 @@ def cp_async_wait_all(typingctx):
     return sig, codegen
 
 
+@intrinsic
+def cp_async_wait_one(typingctx):
+    """Wait until all but this thread's newest committed cp.async group
+    have landed: the older copies are used while the newest flies."""
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "cp.async.wait_group 1;", "~{memory}", None, [],
+             side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _ldmatrix(trans):
     """An intrinsic for ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16."""
     ptx = ("ldmatrix.sync.aligned.m8n8.x4" + (".trans" if trans else "")

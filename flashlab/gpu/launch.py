@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from flashlab import ptx as ptx_tool
+
 # struct codes of numba's scalar parameters, by (kind, bytes)
 _INT_CODES = {(True, 1): "b", (True, 2): "h", (True, 4): "i",
               (True, 8): "q", (False, 1): "B", (False, 2): "H",
@@ -213,8 +215,10 @@ class Packed:
         struct.pack_into("<" + code, self.buffer,
                          self.kernel.layout.offset(arg, field), value)
 
-    def launch(self, grid, block, stream, shared=0):
-        """cuLaunchKernel on `stream` (a CUstream handle as an int)."""
+    def launch(self, grid, block, stream, shared=None):
+        """cuLaunchKernel on `stream` (a CUstream handle as an int), with
+        the kernel's dynamic shared memory unless `shared` says."""
+        shared = self.kernel.shared if shared is None else shared
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = ((block,) if isinstance(block, int) else
                       tuple(block)) + (1, 1)
@@ -234,6 +238,21 @@ class DriverKernel:
         self.name, self.handle, self.module = name, handle, module
         self.argtypes = tuple(argtypes)
         self.layout = Layout.of(argtypes)
+        self.shared = 0  # dynamic shared memory bytes per block
+
+    def use_shared(self, nbytes):
+        """Launch with nbytes of dynamic shared memory per block, allowed
+        past the 48 KB default (cuFuncSetAttribute)."""
+        from cuda.bindings import driver
+
+        err, = driver.cuFuncSetAttribute(
+            driver.CUfunction(self.handle),
+            driver.CUfunction_attribute
+            .CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        if int(err):
+            raise RuntimeError(f"{self.name} cannot have {nbytes} bytes "
+                               f"of shared memory per block: {err}")
+        self.shared = nbytes
 
     def pack(self, *args):
         """A `Packed` buffer for these arguments."""
@@ -309,7 +328,7 @@ def arch_name(cc):
 
 
 _SOURCES = ("gpu", "merge.py", "masks.py", "dropout.py", "nonfinite.py",
-            "fragments.py", "kernel_args.py")
+            "fragments.py", "kernel_args.py", "ptx.py")
 
 
 def source_hash():
@@ -326,7 +345,8 @@ def source_hash():
             digest.update(f.name.encode() + f.read_bytes())
     versions = [numba.__version__, llvmlite.__version__,
                 _version("numba-cuda"), _version("cuda-bindings"),
-                _version("cuda-core"), _version("nvidia-nvjitlink")]
+                _version("cuda-core"), _version("nvidia-nvjitlink"),
+                _version("nvidia-cuda-nvcc")]
     digest.update(" ".join(versions).encode())
     return digest.hexdigest()[:16]
 
@@ -350,8 +370,16 @@ def cache_dir():
 
 
 def assemble(ptx, cc, max_registers=None):
-    """A cubin of PTX text for target cc, by nvJitLink (cuda.core's
-    Linker, numba's own), registers capped at max_registers."""
+    """A cubin of PTX text for target cc, registers capped at
+    max_registers: by nvJitLink (cuda.core's Linker, numba's own), and
+    for an architecture-specific target (sm_90a) by ptxas itself.
+
+    nvJitLink assembles PTX as relocatable code, and in relocatable code
+    ptxas serializes every wgmma (it waits for each product at once, its
+    warning C7509 says); assembled whole, the products stay asynchronous.
+    """
+    if len(cc) > 2 and ptx_tool.ptxas() is not None:
+        return ptx_tool.cubin(ptx, cc, max_registers)[0]
     from cuda.core import Linker, LinkerOptions, ObjectCode
 
     options = LinkerOptions(arch=arch_name(cc),

@@ -50,6 +50,7 @@ class Kernel(NamedTuple):
     max_dim: int = 128  # max(d, d_v) it is built for
     helper: bool = False  # an element-wise step around the attention
     max_cc: tuple = None  # the newest one, for architecture-specific PTX
+    shared: Callable = None  # dynamic shared bytes per block of (d, d_v)
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -95,8 +96,8 @@ KERNELS = (
     # 9.0 only (not on later GPUs, as plain PTX would)
     *(Kernel(f"forward_v7_{kind}",
              functools.partial(forward_v7.make, kind=kind), "forward16",
-             (dtype,), TENSOR_DIMS, (9, 0), warp.THREADS, version=7,
-             max_cc=(9, 0))
+             (dtype,), TENSOR_DIMS, (9, 0), forward_v7.THREADS, version=7,
+             max_cc=(9, 0), shared=forward_v7.shared_bytes)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
            threads=device.THREADS, **_BASE),

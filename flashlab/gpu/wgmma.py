@@ -9,12 +9,16 @@ warpgroup's registers as mma.sync's C fragments stacked over its warps
 kernels built on them compile with cc=(9, 0, "a") and are loaded through
 the driver, not numba's dispatcher.
 
-Each product below is one asm statement from the first wgmma.fence to
-wgmma.wait_group 0: while an mma_async is in flight its accumulator and
-A registers belong to the tensor cores, and inside one statement the
-compiler cannot move or copy them. Accumulators and A fragments are
-constant-size local arrays (in registers once unrolled), read and written
-whole. See chapter 12.
+A product is one asm statement from wgmma.fence to wgmma.commit_group,
+and with wait=True to wgmma.wait_group 0 as well. With wait=False it is
+asynchronous: the warpgroup goes on (a softmax, another product) while
+the tensor cores work, and `wait_for(pending, ...)` later waits until at
+most `pending` groups are in flight. Until then the product's
+accumulator and A registers belong to the tensor cores: wait_for takes
+them as operands it reads and rewrites, so the compiler keeps them where
+they are and no instruction touches them before the wait. Accumulators
+and A fragments are constant-size local arrays (in registers once
+unrolled), read and written whole. See chapter 12.
 """
 
 from llvmlite import ir
@@ -22,6 +26,7 @@ from numba import types
 from numba.cuda.extending import intrinsic
 
 _F32 = ir.FloatType()
+_I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 KINDS = {"bf16": "bf16", "f16": "f16"}  # the PTX type of each 16-bit kind
 
@@ -34,19 +39,20 @@ def _elements(context, builder, arr_type, arr, count):
     return [builder.gep(data, [ir.Constant(_I64, i)]) for i in range(count)]
 
 
-def _product(body, registers):
-    """One asm block: fence, the wgmmas of `body`, commit, wait for them.
+def _product(body, registers, wait):
+    """One asm block: fence, the wgmmas of `body`, commit, and with
+    `wait` wait for them.
 
     Predicate z (false) as scale-d makes a wgmma ignore the accumulator's
     old values (D = A B), p (true) adds to them (D = A B + D)."""
+    end = ["wgmma.wait_group.sync.aligned 0;"] if wait else []
     return "\n\t".join(["{", ".reg .pred z, p;", f".reg .b64 {registers};",
                         "setp.ne.b32 z, 0, 0;", "setp.ne.b32 p, 1, 0;",
                         "wgmma.fence.sync.aligned;", *body,
-                        "wgmma.commit_group.sync.aligned;",
-                        "wgmma.wait_group.sync.aligned 0;", "}"])
+                        "wgmma.commit_group.sync.aligned;", *end, "}"])
 
 
-def mma_ss(n, steps, a_step, b_step, kind, trans_b=0):
+def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
     """acc = A B: `steps` k-steps of m64n<n>k16, A and B from shared memory.
 
     mma_ss(...)(acc, desc_a, desc_b): acc a float32 local array of n / 2
@@ -64,7 +70,7 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0):
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
                  f"{KINDS[kind]}.{KINDS[kind]} {d}, a{s}, b{s}, "
                  f"{'z' if s == 0 else 'p'}, 1, 1, 0, {trans_b};"]
-    ptx = _product(body, f"a<{steps}>, b<{steps}>")
+    ptx = _product(body, f"a<{steps}>, b<{steps}>", wait)
     constraints = ",".join(["=f"] * regs + ["l", "l"])
 
     def typer(typingctx, acc, desc_a, desc_b):
@@ -86,7 +92,7 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0):
     return intrinsic(typer)
 
 
-def mma_rs(n, steps, b_step, kind, trans_b=1):
+def mma_rs(n, steps, b_step, kind, trans_b=1, wait=True):
     """acc += A B: `steps` k-steps of m64n<n>k16, A from registers, B from
     shared memory.
 
@@ -106,7 +112,7 @@ def mma_rs(n, steps, b_step, kind, trans_b=1):
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
                  f"{KINDS[kind]}.{KINDS[kind]} {d}, {a}, b{s}, p, 1, 1, "
                  f"{trans_b};"]
-    ptx = _product(body, f"b<{steps}>")
+    ptx = _product(body, f"b<{steps}>", wait)
     constraints = ",".join(["=f"] * regs + ["r"] * (4 * steps) + ["l"]
                            + [str(i) for i in range(regs)])
 
@@ -131,6 +137,57 @@ def mma_rs(n, steps, b_step, kind, trans_b=1):
         return sig, codegen
 
     return intrinsic(typer)
+
+
+def wait_for(pending, *counts):
+    """wgmma.wait_group `pending`: at most `pending` committed products
+    stay in flight. wait_for(...)(x0, x1, ...) takes one local array per
+    count (float32 accumulators, int32 A fragments), the first count
+    elements of each: it reads and rewrites them, so they are live up to
+    here, unmoved, and read after it only.
+    """
+    kinds = {types.float32: ("f", _F32), types.int32: ("r", _I32)}
+    total = sum(counts)
+    ptx = f"wgmma.wait_group.sync.aligned {pending};"
+
+    def codegen(context, builder, signature, args):
+        places = []
+        for ty, arr, count in zip(signature.args, args, counts):
+            places += _elements(context, builder, ty, arr, count)
+        values = [builder.load(x) for x in places]
+        code = [kinds[ty.dtype][0] for ty, count in zip(signature.args,
+                                                        counts)
+                for _ in range(count)]
+        constraints = ",".join([f"={c}" for c in code]
+                               + [str(i) for i in range(total)])
+        res = builder.asm(
+            ir.FunctionType(ir.LiteralStructType([x.type for x in values]),
+                            [x.type for x in values]),
+            ptx, constraints, values, True)
+        for i, at in enumerate(places):
+            builder.store(builder.extract_value(res, i), at)
+        return context.get_dummy_value()
+
+    def typer(typingctx, *arrays):
+        if len(arrays) != len(counts) or any(
+                a.dtype not in kinds for a in arrays):
+            return None
+        return types.void(*arrays), codegen
+
+    return intrinsic(_fixed_arity(typer, len(counts)))
+
+
+def _fixed_arity(typer, n):
+    """typer with exactly n (1 or 2) array parameters: numba's intrinsic
+    rejects *args typers."""
+
+    def one(typingctx, a0):
+        return typer(typingctx, a0)
+
+    def two(typingctx, a0, a1):
+        return typer(typingctx, a0, a1)
+
+    return {1: one, 2: two}[n]
 
 
 @intrinsic
