@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from flashlab import fragments as fr
-from flashlab.gpu.forward_v7 import BC
-from flashlab.gpu.warp import BR, THREADS
+from flashlab.gpu.forward_v7 import BLOCK_K, THREADS  # THREADS copy tiles
+
+BC = BLOCK_K[64]
+BR = 64  # rows of one wgmma: a warpgroup's share of the block
+WG = 128  # threads of a warpgroup, which hold the accumulator
 
 KP = BC // 16  # k-steps of P V
 
@@ -100,7 +103,7 @@ def test_s_is_q_k_transposed_through_descriptors(rng, d):
     per_row = d // 8
     q_at, k_at = 0, BR * d * 2  # byte addresses of the two tiles
     shared = np.concatenate([copied(q, per_row), copied(k, per_row)])
-    acc = np.zeros((THREADS, BC // 2))
+    acc = np.zeros((WG, BC // 2))
     for da, db in zip(kernel_descriptors(q_at, fr.k_major, per_row, d // 16),
                       kernel_descriptors(k_at, fr.k_major, per_row,
                                          d // 16)):
@@ -114,7 +117,7 @@ def test_s_is_q_k_transposed_through_descriptors(rng, d):
 def p_fragments(sf):
     """(128, KP, 4, 2) the A pairs forward_v7 packs from S's
     accumulator sf (128, NS, 4), by fragments.a_from_c."""
-    pf = np.empty((THREADS, KP, 4, 2))
+    pf = np.empty((WG, KP, 4, 2))
     for kp in range(KP):
         for x in range(4):
             n, e = fr.a_from_c(x)
@@ -126,7 +129,7 @@ def p_fragments(sf):
 def test_o_is_p_v_with_p_from_registers(rng, d_v):
     p, v = rng.standard_normal((BR, BC)), rng.standard_normal((BC, d_v))
     o = rng.standard_normal((BR, d_v))
-    sf = fr.gather(p, fr.wgmma_c_places(BC)).reshape(THREADS, BC // 8, 4)
+    sf = fr.gather(p, fr.wgmma_c_places(BC)).reshape(WG, BC // 8, 4)
     pf = p_fragments(sf)
     shared = copied(v, d_v // 8)
     acc = fr.gather(o, fr.wgmma_c_places(d_v))
@@ -152,8 +155,8 @@ def test_a_wrong_descriptor_is_caught(rng):
     assert not np.array_equal(wrong, q[:, :16])
 
 
-# the 128-byte swizzle (modelled for the next kernel; v7 reads unswizzled
-# core matrices)
+# the 128-byte swizzle (v7's tiles; SWIZZLE = False reads the core
+# matrices above)
 
 
 def panels(tile):
@@ -186,13 +189,14 @@ def test_s_through_swizzled_descriptors(rng, d):
     k_at = BR * d * 2  # a multiple of 1024, as the swizzle needs
     shared = np.concatenate([panels(q), panels(k)])
     lbo, sbo, step, panel = fr.k_major_128b(BR)
-    acc = np.zeros((THREADS, BC // 2))
+    k_panel = fr.k_major_128b(BC)[3]
+    acc = np.zeros((WG, BC // 2))
     for ks in range(d // 16):
-        at = (ks // 4) * panel + (ks % 4) * step  # 4 k-steps a panel
-        a = fr.wgmma_operand(
-            shared, fr.descriptor_128b(at, lbo, sbo), BR, False)
-        bt = fr.wgmma_operand(
-            shared, fr.descriptor_128b(k_at + at, lbo, sbo), BC, False)
+        at = (ks % 4) * step  # 4 k-steps a panel
+        a = fr.wgmma_operand(shared, fr.descriptor_128b(
+            at + (ks // 4) * panel, lbo, sbo), BR, False)
+        bt = fr.wgmma_operand(shared, fr.descriptor_128b(
+            k_at + at + (ks // 4) * k_panel, lbo, sbo), BC, False)
         acc = fr.wgmma(a, bt.T, acc)
     want = fr.gather(q @ k.T, fr.wgmma_c_places(BC))
     assert np.allclose(acc, want, rtol=0, atol=1e-12)
@@ -203,7 +207,7 @@ def test_p_v_through_swizzled_descriptors(rng, d_v):
     p, v = rng.standard_normal((BR, BC)), rng.standard_normal((BC, d_v))
     shared = panels(v)
     lbo, sbo, step = fr.mn_major_128b(BC)
-    acc = np.zeros((THREADS, d_v // 2))
+    acc = np.zeros((WG, d_v // 2))
     for kp in range(KP):
         b = fr.wgmma_operand(
             shared, fr.descriptor_128b(kp * step, lbo, sbo), d_v, True)
@@ -226,3 +230,54 @@ def test_a_swizzled_tile_read_without_the_swizzle_is_caught(rng):
     plain = fr.descriptor(0, lbo, sbo)
     assert not np.array_equal(fr.wgmma_operand(shared, plain, BR, False),
                               q[:, :16])
+
+
+def _fill_panels(matrix, threads):
+    """A swizzled tile filled as v7's threads fill it (panel_copy_place),
+    every value written exactly once (poisoned with -1 before)."""
+    from flashlab.gpu import forward_v7 as v7
+
+    rows, cols = matrix.shape
+    tile = np.full(rows * cols, -1, np.int64)
+    writes = np.zeros(rows * cols, np.int64)
+    for t in range(threads):
+        offset, r, c, step = v7.panel_copy_place(t, cols // 8, rows, threads)
+        for p in range(rows // step):
+            at = (offset + p * step * 128) // 2
+            tile[at:at + 8] = matrix[r + p * step, 8 * c:8 * c + 8]
+            writes[at:at + 8] += 1
+    assert (writes == 1).all()
+    return tile
+
+
+@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
+def test_v7_swizzled_tiles_are_the_operands_its_descriptors_read(d, d_v):
+    # v7's copy places, descriptors and k-step offsets, on the model of
+    # what wgmma reads: every k-step of S = Q K^T gets its 16 columns of
+    # each warpgroup's Q rows and of K, every k-step of P V 16 rows of V
+    from flashlab.gpu import forward_v7 as v7
+
+    rng = np.random.default_rng(d + d_v)
+    bc = v7.BLOCK_K[d]
+    q, k = (rng.integers(0, 2 ** 15, (n, d)) for n in (v7.BR, bc))
+    v = rng.integers(0, 2 ** 15, (bc, d_v))
+    tiles = [_fill_panels(x, v7.THREADS) for x in (q, k, v)]
+    lbo, sbo, _, _ = fr.k_major_128b(v7.BR)
+    for wg in range(v7.GROUPS):
+        for s, at in enumerate(v7.k_steps_128b(v7.BR, d // 16)):
+            desc = fr.descriptor_128b(wg * 64 * 128 + at, lbo, sbo)
+            np.testing.assert_array_equal(
+                fr.wgmma_operand(tiles[0], desc, 64, False),
+                q[64 * wg:64 * wg + 64, 16 * s:16 * s + 16])
+    lbo, sbo, _, _ = fr.k_major_128b(bc)
+    for s, at in enumerate(v7.k_steps_128b(bc, d // 16)):
+        desc = fr.descriptor_128b(at, lbo, sbo)
+        np.testing.assert_array_equal(
+            fr.wgmma_operand(tiles[1], desc, bc, False),
+            k[:, 16 * s:16 * s + 16])
+    lbo, sbo, step = fr.mn_major_128b(bc)
+    for s in range(bc // 16):
+        desc = fr.descriptor_128b(s * step, lbo, sbo)
+        np.testing.assert_array_equal(
+            fr.wgmma_operand(tiles[2], desc, d_v, True),
+            v[16 * s:16 * s + 16])

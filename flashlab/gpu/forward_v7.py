@@ -19,9 +19,12 @@ V_{j+1} and K_{j+2} (cp.async, into the stages no product reads any
 more) fly during tile j + 1's work, and one barrier per tile hands them
 over. A wgmma accumulator is v5's C fragments stacked over a warpgroup
 (fragments.wgmma_c_places), so v5's softmax, masks, dropout, rescale and
-epilogue apply to it unchanged. Tiles lie in shared memory as unswizzled
-core matrices (fragments.core_offset); the block's shared memory is
-dynamic (over the 48 KB static limit). See chapter 12.
+epilogue apply to it unchanged. Tiles lie in shared memory with the
+128-byte swizzle (fragments.panel_offset: panels of 64 columns, 16-byte
+chunk c of row r at chunk c ^ (r % 8)), which wgmma reads at full speed;
+SWIZZLE = False builds the unswizzled core matrices of
+fragments.core_offset instead, for comparison. The block's shared memory
+is dynamic (over the 48 KB static limit). See chapter 12.
 """
 
 from numba import cuda, float32, int16, int32, uint32, uint64
@@ -53,9 +56,18 @@ BR = 64 * GROUPS  # query rows per block: 64 per warpgroup
 BLOCK_K = {64: 128, 128: 128}  # keys per K/V tile, by d
 HEAD_DIMS = (64, 128)
 CC = (9, 0, "a")  # wgmma exists on sm_90a only
+SWIZZLE = True  # 128-byte swizzled tiles, else unswizzled core matrices
+ALIGN = 1024  # a swizzled tile starts at a multiple of 1024 bytes
 
 core_copy_place = cuda.jit(device=True)(fragments.core_copy_place)
 descriptor = cuda.jit(device=True)(fragments.descriptor)
+MODE_128B = fragments.SWIZZLE_128B << 62  # descriptor bits 62-63
+
+
+@inline
+def descriptor_128b(address, lbo, sbo):
+    """fragments.descriptor_128b, on the device."""
+    return uint64(descriptor(address, lbo, sbo)) | uint64(MODE_128B)
 
 
 def shape(d, d_v):
@@ -66,7 +78,7 @@ def shape(d, d_v):
 def shared_bytes(d, d_v):
     """Dynamic shared memory per block: Q_i and two stages of K_j, V_j."""
     bc = BLOCK_K[d]
-    return 2 * (BR * d + 2 * bc * d + 2 * bc * d_v)
+    return 2 * (BR * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
 
 
 @inline
@@ -81,6 +93,43 @@ def load_cores(dst, src, b, r0, rows, cols, t):
         i = r0 + r + p * step
         cp_async16(dst + uint32(16 * (t + p * THREADS)),
                    at + uint64(min(i, n - 1)) * uint64(cols * 2),
+                   int32(16 if i < n else 0))
+
+
+def panel_copy_place(t, per_row, rows, threads):
+    """(byte offset, row, chunk, rows per pass) of the first chunk thread t
+    copies into a 128-byte-swizzled tile (fragments.panel_offset) of
+    `rows` rows: a row's chunks come from consecutive threads (coalesced)
+    and land in one 128-byte line (free of bank conflicts). The rows per
+    pass are a multiple of 8, so r % 8, hence the swizzle, stays fixed:
+    pass p is p * step * 128 bytes on."""
+    c, r, step = t % per_row, t // per_row, threads // per_row
+    return ((c // 8) * rows * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16,
+            r, c, step)
+
+
+def k_steps_128b(rows, steps):
+    """Byte offset of each k-step of a K-major 128-byte-swizzled tile of
+    `rows` rows: 32 bytes along a row, then the next panel."""
+    step = fragments.k_major_128b(rows)[2]
+    return tuple((s // 4) * rows * 128 + (s % 4) * step
+                 for s in range(steps))
+
+
+panel_place = cuda.jit(device=True)(panel_copy_place)
+
+
+@inline
+def load_panels(dst, src, b, r0, rows, cols, t):
+    """load_cores into a 128-byte-swizzled tile (panel_copy_place)."""
+    n = src.shape[1]
+    offset, r, c, step = panel_place(t, cols // 8, rows, THREADS)
+    at = dst + uint32(offset)
+    src_at = global_address(src, (b, 0, 0)) + uint64(c * 16)
+    for p in range(rows // step):
+        i = r0 + r + p * step
+        cp_async16(at + uint32(p * step * 128),
+                   src_at + uint64(min(i, n - 1)) * uint64(cols * 2),
                    int32(16 if i < n else 0))
 
 
@@ -102,9 +151,19 @@ def make(D, D_V, kind="bf16"):
     NO = D_V // 8  # 8-column groups of O
     Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
     store_rows = make_store_rows16(pack, NO)  # the epilogue
-    lbo_k, sbo_k, step_k = fragments.k_major(D // 8)  # Q, K: K along rows
-    lbo_v, sbo_v, step_v = fragments.mn_major(D_V // 8)  # V: K down rows
-    s_issue = mma_ss(BC, KD, step_k, step_k, kind, wait=False)
+    if SWIZZLE:  # k-step s: 32 s bytes into a row, panels of 4 k-steps
+        load, describe = load_panels, descriptor_128b
+        lbo_k, sbo_k, _, _ = fragments.k_major_128b(BR)
+        steps_q, steps_k = k_steps_128b(BR, KD), k_steps_128b(BC, KD)
+        lbo_v, sbo_v, step_v = fragments.mn_major_128b(BC)
+        wg_rows = 64 * 128  # a warpgroup's 64 rows within each panel
+    else:
+        load, describe = load_cores, descriptor
+        lbo_k, sbo_k, steps_q = fragments.k_major(D // 8)
+        steps_k = steps_q
+        lbo_v, sbo_v, step_v = fragments.mn_major(D_V // 8)
+        wg_rows = 64 * D * 2
+    s_issue = mma_ss(BC, KD, steps_q, steps_k, kind, wait=False)
     o_issue = mma_rs(D_V, KP, step_v, kind, wait=False)
     s_wait_one = wait_for(1, NS * 4)  # S in; O += P V may still fly
     s_wait = wait_for(0, NS * 4)
@@ -139,14 +198,15 @@ def make(D, D_V, kind="bf16"):
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
         first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
-        q_at = shared_address(tiles, 0)
+        at = shared_address(tiles, 0)
+        q_at = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         k_at = q_at + uint32(2 * Q_S)  # stage s at + 2 K_S s bytes
         v_at = k_at + uint32(4 * K_S)
         # this warpgroup's 64 rows of Q_i; k-step 0 of stage 0 of K and V
-        q_desc = uint64(descriptor(q_at + uint32(2 * D * 64 * (w // 4)),
-                                   lbo_k, sbo_k))
-        k_desc = uint64(descriptor(k_at, lbo_k, sbo_k))
-        v_desc = uint64(descriptor(v_at, lbo_v, sbo_v))
+        q_desc = uint64(describe(q_at + uint32(wg_rows * (w // 4)), lbo_k,
+                                 sbo_k))
+        k_desc = uint64(describe(k_at, lbo_k, sbo_k))
+        v_desc = uint64(describe(v_at, lbo_v, sbo_v))
         k_next = uint64(2 * K_S >> 4)  # descriptor step to the other stage
         v_next = uint64(2 * V_S >> 4)
         for h in range(2):
@@ -158,18 +218,18 @@ def make(D, D_V, kind="bf16"):
                 of[n, x] = F0
         if first <= last:
             # HBM -> SRAM: Q_i and K_first, then V_first in a later group
-            load_cores(q_at, q, b, i0, BR, D, t)
-            load_cores(k_at, k, bk, first * BC, BC, D, t)
+            load(q_at, q, b, i0, BR, D, t)
+            load(k_at, k, bk, first * BC, BC, D, t)
             cp_async_commit()
-            load_cores(v_at, v, bk, first * BC, BC, D_V, t)
+            load(v_at, v, bk, first * BC, BC, D_V, t)
             cp_async_commit()
             cp_async_wait_one()  # Q_i, K_first landed; V_first may fly
             handed_over()
             s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
             s_wait(sf)
             if first < last:  # K_{first+1} into stage 1, free so far
-                load_cores(k_at + uint32(2 * K_S), k, bk, first * BC + BC,
-                           BC, D, t)
+                load(k_at + uint32(2 * K_S), k, bk, first * BC + BC, BC, D,
+                     t)
             cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
                          first * BC, nq, nk, rules, kv_len, mask)
@@ -182,11 +242,11 @@ def make(D, D_V, kind="bf16"):
             # tile jt - 1 and P V of jt - 2: stage `1 - now` of K and
             # stage `now` of V are read by no product any more
             handed_over()
-            load_cores(v_at + uint32(2 * V_S) * uint32(now), v, bk,
-                       jt * BC, BC, D_V, t)
+            load(v_at + uint32(2 * V_S) * uint32(now), v, bk, jt * BC,
+                 BC, D_V, t)
             if jt < last:
-                load_cores(k_at + uint32(2 * K_S) * uint32(1 - now), k, bk,
-                           jt * BC + BC, BC, D, t)
+                load(k_at + uint32(2 * K_S) * uint32(1 - now), k, bk,
+                     jt * BC + BC, BC, D, t)
             cp_async_commit()
             s_issue(sf, q_desc, k_desc + k_next * now)  # S_{i,j}
             o_issue(of, pf, v_desc + v_next * (1 - now))  # += P V_{j-1}

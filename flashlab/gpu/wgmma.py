@@ -57,16 +57,19 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
 
     mma_ss(...)(acc, desc_a, desc_b): acc a float32 local array of n / 2
     (C-contiguous, register r at flat index r), desc_a and desc_b uint64
-    descriptors of k-step 0; k-step s reads a_step, b_step bytes further
-    on (compile-time constants). trans_b = 1 reads B MN-major. k-step 0
+    descriptors of k-step 0; k-step s reads s a_step, s b_step bytes
+    further on, or a_step[s], b_step[s] where they are tuples
+    (compile-time constants: a swizzled tile's k-steps jump between
+    panels). trans_b = 1 reads B MN-major. k-step 0
     ignores acc's old values (scale-d false): nothing needs zeroing.
     """
     regs = n // 2
     d = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
+    a_at, b_at = _offsets(a_step, steps), _offsets(b_step, steps)
     body = []
     for s in range(steps):
-        body += [f"add.s64 a{s}, ${regs}, {s * a_step >> 4};",
-                 f"add.s64 b{s}, ${regs + 1}, {s * b_step >> 4};",
+        body += [f"add.s64 a{s}, ${regs}, {a_at[s] >> 4};",
+                 f"add.s64 b{s}, ${regs + 1}, {b_at[s] >> 4};",
                  f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
                  f"{KINDS[kind]}.{KINDS[kind]} {d}, a{s}, b{s}, "
                  f"{'z' if s == 0 else 'p'}, 1, 1, 0, {trans_b};"]
@@ -90,6 +93,12 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
         return sig, codegen
 
     return intrinsic(typer)
+
+
+def _offsets(step, steps):
+    """Byte offset of each k-step: s step, or step[s] for a tuple."""
+    return tuple(step) if isinstance(step, tuple) else tuple(
+        s * step for s in range(steps))
 
 
 def mma_rs(n, steps, b_step, kind, trans_b=1, wait=True):
