@@ -47,7 +47,8 @@ def test_arch_table_is_what_ptxas_assembles(arch):
     ((7, 5), "float32", 64, 3), ((7, 5), "bfloat16", 64, None),
     ((8, 0), "float32", 64, 6), ((8, 0), "float32", 96, 3),
     ((8, 6), "float16", 128, 5), ((8, 9), "bfloat16", 64, 5),
-    ((9, 0), "bfloat16", 128, 5), ((9, 0), "bfloat16", 32, None),
+    ((9, 0), "bfloat16", 128, 7), ((9, 0), "float16", 64, 7),
+    ((9, 0), "float32", 64, 6), ((9, 0), "bfloat16", 32, None),
 ])
 def test_best_version_per_gpu(cc, dtype, d, want):
     assert registry.best_version(dtype, d, d, cc) == want

@@ -162,14 +162,15 @@ def versions_for(dtype, d, d_v, cc=None):
 
 def best_version(dtype, d, d_v, cc, simulator=False):
     """The forward `version=None` runs: the fastest one as accurate as
-    float32 arithmetic that the device runs. 16-bit inputs: v5 from
-    compute capability 8.0 on; float32: v6 (3xTF32) there, else v3.
+    float32 arithmetic that the device runs. 16-bit inputs: v7 (wgmma) on
+    Hopper, v5 from compute capability 8.0 on; float32: v6 (3xTF32)
+    there, else v3.
     None where no kernel takes `dtype` on this device (16-bit inputs on a
     T4: the caller widens them to float32). The simulator runs no inline
     PTX, so it always gets v3."""
     if simulator:
         return 3 if dtype == "float32" else None
-    for version in (5, 6, 3):
+    for version in (7, 5, 6, 3):
         if version in versions_for(dtype, d, d_v, cc):
             return version
     return None
