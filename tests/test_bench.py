@@ -298,3 +298,15 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
                  "--backward-only", "--decode", "--ring", "--ceilings",
                  "--versions", "--host", "--training", "--gpt"):
         assert flag in out
+
+
+def test_hopper_ladder_changes_one_thing_per_step():
+    # each step of the ladder switches one build setting on, in order,
+    # and ends at the kernel flashlab runs; the child's code compiles
+    from flashlab.bench import hopper
+    from flashlab.gpu import forward_v7, launch
+
+    switches = [(whole, swizzle) for _, whole, swizzle in hopper.LADDER]
+    assert switches == [(False, False), (True, False), (True, True)]
+    assert switches[-1] == (launch.WHOLE_PROGRAM, forward_v7.SWIZZLE)
+    compile(hopper._STEP, "ladder step", "exec")

@@ -123,7 +123,12 @@ for kind, d, dv in json.loads(sys.argv[1]):
         sm90 = True
     except RuntimeError:
         sm90 = False
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    linker = Linker(ObjectCode.from_ptx(text.encode()),
+                    options=LinkerOptions(arch="sm_90a", verbose=True))
+    linker.link("cubin")
     out[f"{kind} {d} {dv}"] = dict(
+        relocatable_serialized="serialized" in linker.get_info_log(),
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
@@ -176,6 +181,9 @@ def test_v7_softmax_overlaps_the_products(v7_report):
     for key, r in v7_report.items():
         assert r["wait1"] == 1, (key, r)
         assert not r["serialized"], f"{key}: ptxas serialized the wgmmas"
+        # why launch.assemble gives sm_90a kernels to ptxas whole: as
+        # relocatable code (nvJitLink's way) every wgmma is waited at once
+        assert r["relocatable_serialized"], key
 
 
 def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):

@@ -8,6 +8,7 @@ from flashlab.bench import (
     decode,
     extras,
     gpt,
+    hopper,
     host,
     report,
     ring,
@@ -61,6 +62,9 @@ def main(argv=None):
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
+    ap.add_argument("--hopper", action="store_true",
+                    help="v7 (wgmma) against v5, flash and cuDNN, with "
+                         "accuracy and the ladder that built it (Hopper)")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -70,6 +74,9 @@ def main(argv=None):
         print(f"ceilings: float32 matmul {roofs['fp32_tflops']:.1f} TFLOP/s,"
               f" device copy {roofs['copy_tbps']:.2f} TB/s")
         return roofs
+    if args.hopper:
+        _need_cuda(ap)
+        return hopper.main(args.out)
     if args.tensor_cores and args.backward_only:
         return measure(tensor.suite(backward_only=True), args.out)
     if args.tensor_cores:

@@ -369,6 +369,9 @@ def cache_dir():
     return Path.home() / ".cache" / "flashlab" / "kernels"
 
 
+WHOLE_PROGRAM = True  # sm_90a by ptxas; False: nvJitLink (for comparison)
+
+
 def assemble(ptx, cc, max_registers=None):
     """A cubin of PTX text for target cc, registers capped at
     max_registers: by nvJitLink (cuda.core's Linker, numba's own), and
@@ -378,7 +381,7 @@ def assemble(ptx, cc, max_registers=None):
     ptxas serializes every wgmma (it waits for each product at once, its
     warning C7509 says); assembled whole, the products stay asynchronous.
     """
-    if len(cc) > 2 and ptx_tool.ptxas() is not None:
+    if len(cc) > 2 and WHOLE_PROGRAM and ptx_tool.ptxas() is not None:
         return ptx_tool.cubin(ptx, cc, max_registers)[0]
     from cuda.core import Linker, LinkerOptions, ObjectCode
 

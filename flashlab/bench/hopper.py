@@ -1,0 +1,127 @@
+"""Chapter 12's suite: forward v7 on Hopper, and the ladder that built it.
+
+`main` measures the bf16 forward of v5 and v7 against torch's flash and
+cuDNN kernels (tensor.suite's forward cases, hopper.csv), their error
+against float64 SDPA on the same inputs (hopper.json), and the ladder
+(hopper_ladder.json): v7 built three ways, each in a fresh process with
+a kernel cache of its own, since the switches are read when a kernel is
+built.
+
+1. assembled by nvJitLink, as numba's own kernels are: relocatable code,
+   in which ptxas waits for every wgmma at once (its warning C7509);
+2. assembled whole by ptxas: the products stay asynchronous and the
+   softmax runs under P V, tiles still unswizzled core matrices;
+3. tiles 128-byte swizzled: v7 as flashlab runs it.
+"""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from flashlab.bench import report, runner, tensor
+
+SIZES = (1024, 4096, 16384)
+LADDER = (("nvJitLink: every wgmma waited at once", False, False),
+          ("ptxas, whole: asynchronous wgmma", True, False),
+          ("128-byte swizzled tiles", True, True))
+LADDER_SHAPE = (2, 8, 16384)  # B, H, N of every ladder step
+
+_STEP = """
+import json, sys, torch
+from flashlab import gpu
+from flashlab.bench import timing
+from flashlab.gpu import forward_v7, launch
+whole, swizzle, (b, h, n), cases = json.loads(sys.argv[1])
+launch.WHOLE_PROGRAM, forward_v7.SWIZZLE = whole, swizzle
+out = []
+for d, causal in cases:
+    g = torch.Generator(device="cuda").manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g)
+               .bfloat16() for _ in range(3))
+    ms = timing.gpu_time(lambda: gpu.attention(q, k, v, causal=causal,
+                                               version=7), 10)
+    out.append(ms)
+print(json.dumps(out))
+"""
+
+
+def forward_rows(sizes=SIZES):
+    """tensor.suite's bf16 forward rows: v5, v7, flash, cuDNN."""
+    suite = tensor.suite(sizes=sizes)
+    cases = tuple(c for c in suite.cases
+                  if c.pass_ == "forward" and c.dtype == "bfloat16")
+    return runner.run(dataclasses.replace(suite, cases=cases, csv=None))
+
+
+def accuracy(n=2048, seed=7):
+    """{"v5 d64 full": max |o - float64 SDPA|, ...} on the same bf16
+    inputs (B1 H4) for v5, v7 and torch's flash kernel."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import gpu
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for d in (64, 128):
+        for causal in (False, True):
+            q, k, v = (torch.randn(1, 4, n, d, device="cuda", generator=gen)
+                       .bfloat16() for _ in range(3))
+            want = F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(), is_causal=causal)
+            got = {f"v{version}": gpu.attention(q, k, v, causal=causal,
+                                                version=version)
+                   for version in (5, 7)}
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                got["flash"] = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal)
+            for name, o in got.items():
+                key = f"{name} d{d} {'causal' if causal else 'full'}"
+                out[key] = (o.double() - want).abs().max().item()
+    return out
+
+
+def ladder(cases=((128, False), (64, False))):
+    """[{step, d, causal, ms, tflops}]: v7 built each way of LADDER."""
+    b, h, n = LADDER_SHAPE
+    rows = []
+    for step, whole, swizzle in LADDER:
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, FLASHLAB_CACHE_DIR=cache)
+            done = subprocess.run(
+                [sys.executable, "-c", _STEP,
+                 json.dumps([whole, swizzle, LADDER_SHAPE, cases])],
+                env=env, capture_output=True, text=True, check=True)
+        for (d, causal), ms in zip(cases, json.loads(done.stdout)):
+            case = runner.Case("forward", b, h, n, d, causal, (), "", 1)
+            rows.append(dict(step=step, d=d, causal=causal, ms=ms,
+                             tflops=runner.attention_flops(case) / ms
+                             / 1e9))
+    return rows
+
+
+def main(out):
+    """Measure everything above; write hopper.csv, hopper.json and
+    hopper_ladder.json under `out` and print the tables."""
+    rows = forward_rows()
+    report.write_csv(rows, os.path.join(out, "hopper.csv"))
+    print(report.table(rows))
+    record = {"machine": report.machine(), "accuracy": accuracy()}
+    with open(os.path.join(out, "hopper.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps(record["accuracy"], indent=1))
+    steps = ladder()
+    b, h, n = LADDER_SHAPE
+    with open(os.path.join(out, "hopper_ladder.json"), "w") as f:
+        json.dump({"machine": record["machine"],
+                   "command": "python -m flashlab.bench --hopper",
+                   "shape": f"B{b} H{h} N{n} bf16", "steps": steps}, f,
+                  indent=1)
+    for s in steps:
+        print(f"{s['step']:40s} d{s['d']:<4d} {s['ms']:8.3f} ms "
+              f"{s['tflops']:7.1f} TFLOP/s")
+    return rows
