@@ -238,9 +238,13 @@ class _Ring(torch.autograd.Function):
         causal, scale, layout, group = ctx.options
         ring = _Peers(group, q.shape[-2], layout)
         local = _LOCAL[q.device.type]
-        wide = local.wide(q.dtype)  # the backward runs at this width
-        q, o, do = (x.to(wide).contiguous() for x in (q, o, do))
-        dq = torch.zeros_like(q)
+        wide = local.wide(q.dtype)  # gradients add up at this width
+        # the kernels' inputs: 16-bit ones stay 16-bit where a tensor-core
+        # backward takes them (it returns float32 gradients)
+        runs = local.backward_dtype(q.dtype, q.shape[-1], v.shape[-1])
+        q, o, do = (x.to(runs).contiguous() for x in (q, o, do))
+        lse = lse.to(wide)
+        dq = torch.zeros_like(q, dtype=wide)
         # K/V travel at their own width, their gradients at the wide one
         k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()
         dk_cur, dv_cur = (torch.zeros_like(x, dtype=wide)
@@ -249,8 +253,8 @@ class _Ring(torch.autograd.Function):
             for rows, cols, flag in ring.pieces(step, causal):
                 # the global o and lse make each piece's share exact
                 g_q, g_k, g_v = local.backward(
-                    q[..., rows, :], k_cur[..., cols, :].to(wide),
-                    v_cur[..., cols, :].to(wide), o[..., rows, :],
+                    q[..., rows, :], k_cur[..., cols, :].to(runs),
+                    v_cur[..., cols, :].to(runs), o[..., rows, :],
                     lse[..., rows], do[..., rows, :], scale=scale,
                     causal=flag)
                 dq[..., rows, :] += g_q
@@ -319,6 +323,10 @@ class _CPU:
         return dtype
 
     @staticmethod
+    def backward_dtype(dtype, d, d_v):
+        return dtype
+
+    @staticmethod
     def forward(q, k, v, **options):
         o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
                                  **options)
@@ -339,7 +347,9 @@ class _Cuda:
     """Local work on CUDA tensors: flashlab.gpu's kernels, over NCCL.
 
     Partial outputs stay float32 whatever the inputs: each rank merges
-    world of them, and the backward kernels run in float32.
+    world of them. The backward runs 16-bit inputs on the tensor-core
+    kernels (float32 gradients, summed over the hops in float32), other
+    inputs in float32.
     """
 
     backend = "nccl"
@@ -348,6 +358,15 @@ class _Cuda:
     @staticmethod
     def wide(dtype):
         return torch.float32
+
+    @staticmethod
+    def backward_dtype(dtype, d, d_v):
+        from flashlab.gpu import backward_v5
+
+        tensor_cores = (dtype in (torch.bfloat16, torch.float16)
+                        and d in backward_v5.HEAD_DIMS
+                        and d_v in backward_v5.HEAD_DIMS)
+        return dtype if tensor_cores else torch.float32
 
     @staticmethod
     def forward(q, k, v, **options):
