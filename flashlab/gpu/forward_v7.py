@@ -193,7 +193,9 @@ def make(D, D_V, kind="bf16"):
         w, lane = t // 32, t % 32
         b = cuda.blockIdx.y
         bk = b // rules.group  # the K/V head of query head b
-        i0 = cuda.blockIdx.x * BR
+        # the last query blocks first: under a causal mask they visit the
+        # most tiles, and started early they do not leave a ragged tail
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
