@@ -7,7 +7,8 @@ down once (`a_places`, `b_places`, `c_places`), and models ldmatrix, the
 mma itself, the shared-memory swizzle and the tf32 split, so that CI,
 which has no GPU, checks the layouts the kernels in `flashlab.gpu` rely
 on: fragments in, modelled mma, fragments out must be the matrix product.
-Lane = 4 g + t throughout. See chapter 10.
+Lane = 4 G + t throughout: G = lane // 4 is the lane group, t = lane % 4
+the place in it (g is the grouped-heads ratio). See chapter 10.
 """
 
 import numpy as np
@@ -198,12 +199,13 @@ def to_bf16(x):
     return u.astype(np.uint32).view(np.float32)
 
 
-# Hopper's warpgroup MMA (wgmma, chapter 12). A warpgroup is 4 warps, 128
-# threads; wgmma m64nNk16 multiplies a 64 x 16 A by a 16 x N B into a 64 x N
-# float32 accumulator that the warpgroup holds as mma.sync's C fragments
-# stacked: warp w holds rows 16 w.. (`wgmma_c_places`). B, and A unless it
-# comes from registers, is read from shared memory through a 64-bit
-# descriptor (`descriptor`) over 8 x 8 "core matrices" of 16-bit values.
+# Hopper's warpgroup MMA (wgmma, v7 in chapter 10). A warpgroup is 4
+# warps, 128 threads; wgmma m64nNk16 multiplies a 64 x 16 A by a 16 x N B
+# into a 64 x N float32 accumulator that the warpgroup holds as mma.sync's
+# C fragments stacked: warp w holds rows 16 w.. (`wgmma_c_places`). B, and
+# A unless it comes from registers, is read from shared memory through a
+# 64-bit descriptor (`descriptor`) over 8 x 8 "core matrices" of 16-bit
+# values.
 
 CORE_BYTES = 128  # a core matrix: 8 rows of 16 bytes, stored contiguously
 

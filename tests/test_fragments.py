@@ -137,22 +137,22 @@ def test_swizzled_ldmatrix_reads_are_free_of_bank_conflicts(d):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_v6_fragment_reads_hit_32_banks(d):
-    g, t = fr.G, fr.T
+    G, t = fr.G, fr.T
     sk, sv, sp = forward_v6.strides(d, d)
-    reads = {"K row g, col t": g * sk + t, "K col t+4": g * sk + t + 4,
-             "V row t, col g": t * sv + g, "V row t+4": (t + 4) * sv + g,
-             "P row g, col t": g * sp + t, "P row g+8": (g + 8) * sp + t}
+    reads = {"K row G, col t": G * sk + t, "K col t+4": G * sk + t + 4,
+             "V row t, col G": t * sv + G, "V row t+4": (t + 4) * sv + G,
+             "P row G, col t": G * sp + t, "P row G+8": (G + 8) * sp + t}
     for name, words in reads.items():
         assert len(set(fr.banks(4 * words))) == 32, name
 
 
 def test_v6_p_v_uses_the_a_and_b_layouts(rng):
-    # v6 reads P (16 x 8 keys) as A with fragments (g, t), (g+8, t), (g,
-    # t+4), (g+8, t+4) and V's rows t, t + 4 as B: the product P V
+    # v6 reads P (16 x 8 keys) as A with fragments (G, t), (G+8, t), (G,
+    # t+4), (G+8, t+4) and V's rows t, t + 4 as B: the product P V
     p, v = rng.random((16, 8)), rng.standard_normal((8, 8))
-    g, t = fr.G, fr.T
-    a = np.stack([p[g, t], p[g + 8, t], p[g, t + 4], p[g + 8, t + 4]], 1)
-    b = np.stack([v[t, g], v[t + 4, g]], 1)
+    G, t = fr.G, fr.T
+    a = np.stack([p[G, t], p[G + 8, t], p[G, t + 4], p[G + 8, t + 4]], 1)
+    b = np.stack([v[t, G], v[t + 4, G]], 1)
     d = fr.mma(a[..., None], b[..., None], np.zeros((32, 4)), k=8)
     assert np.allclose(fr.scatter(d, fr.c_places(), (16, 8)), p @ v,
                        rtol=0, atol=1e-12)
