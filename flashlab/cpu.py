@@ -102,16 +102,18 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     dk, dv = (np.empty((bh, *x.shape[1:]), x.dtype) for x in (k3, v3))
     q3, k3, v3 = (np.ascontiguousarray(x) for x in (q3, k3, v3))
     with blas.one_thread():
+        shift, norm = _row_statistics(q3, k3, lse3, plan, a)
         if bh >= numba.get_num_threads():  # a head per thread: one pass
-            _backward_heads(q3, k3, v3, do3, lse3, delta, dq, dk, dv,
-                            plan.block_q, plan.block_k, a.rules, a.kv_len,
-                            a.mask, log2e)
+            _backward_heads(q3, k3, v3, do3, shift, norm, delta, dq, dk,
+                            dv, plan.block_q, plan.block_k, a.rules,
+                            a.kv_len, a.mask, log2e)
         else:  # too few heads to share out: key blocks, then query blocks
-            _backward_kv(q3, k3, v3, do3, lse3, delta, dk, dv,
+            _backward_kv(q3, k3, v3, do3, shift, norm, delta, dk, dv,
                          plan.block_q, plan.block_k, a.rules, a.kv_len,
                          a.mask, log2e)
-            _backward_q(q3, k3, v3, do3, lse3, delta, dq, plan.block_q,
-                        plan.block_k, a.rules, a.kv_len, a.mask, log2e)
+            _backward_q(q3, k3, v3, do3, shift, norm, delta, dq,
+                        plan.block_q, plan.block_k, a.rules, a.kv_len,
+                        a.mask, log2e)
     g = a.rules.group
     dk, dv = (x.reshape(-1, g, *x.shape[1:]).sum(axis=1) if g > 1 else x
               for x in (dk, dv))
@@ -151,6 +153,56 @@ def _products(q, k, v, block_q, block_k, r, kv_len):
                       k[bk, j0:j0 + bc], 0, s)
             blas.gemm(False, False, br, d_v, bc, 1, s, v[bk, j0:j0 + bc], 1,
                       acc)
+
+
+def _row_statistics(q, k, lse, plan, a):
+    """(shift, norm) (BH, Nq) with P = exp(S - shift) norm: (lse, 1) where
+    the saved lse holds P exactly, (m, 1 / l) of the row where it does
+    not (`merge.lse_loses_l`: huge equal scores, scores near -finfo.max),
+    found by one more pass over those rows' score tiles, without V, as
+    `tiled.row_statistics` does."""
+    norm = np.ones_like(lse)
+    lossy = merge.lse_loses_l(lse)
+    if not lossy.any():  # the usual case: the saved lse is enough
+        return lse, norm
+    n_blocks = -(-plan.nq // plan.block_q)
+    padded = np.zeros((lse.shape[0], n_blocks * plan.block_q), bool)
+    padded[:, :plan.nq] = lossy
+    todo = np.flatnonzero(padded.reshape(-1, plan.block_q).any(axis=1))
+    m = np.full_like(lse, -np.inf)
+    l = np.zeros_like(lse)
+    _statistics(q, k, m, l, todo, plan.block_q, plan.block_k, a.rules,
+                a.kv_len, a.mask, q.dtype.type(_LOG2E))
+    with np.errstate(divide="ignore"):  # l >= 1 on lossy rows
+        return np.where(lossy, m, lse), np.where(lossy, 1 / l, norm)
+
+
+@njit(parallel=True, fastmath=_FAST)
+def _statistics(q, k, m, l, todo, block_q, block_k, r, kv_len, mask,
+                log2e):
+    """Row max m and sum l of exp(S - m) for the query blocks `todo`
+    (numbered b * blocks per head + i0 / block_q): the forward's softmax
+    with no V (d_v = 0)."""
+    bh, nq, d = q.shape
+    nk = k.shape[1]
+    n_blocks = (nq + block_q - 1) // block_q
+    for u in prange(todo.shape[0]):
+        t = todo[u]
+        b = t // n_blocks
+        bk = b // r.group  # the K/V head of query head b
+        i0 = (t % n_blocks) * block_q
+        br = min(block_q, nq - i0)
+        no_values = np.zeros((br, 0), dtype=q.dtype)
+        s = np.empty((br, block_k), dtype=q.dtype)
+        m_i, l_i = m[b, i0:i0 + br], l[b, i0:i0 + br]
+        for j0 in range(0, nk, block_k):
+            bc = min(block_k, nk - j0)
+            if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
+                continue
+            blas.gemm(False, True, br, bc, d, r.scale, q[b, i0:i0 + br],
+                      k[bk, j0:j0 + bc], 0, s)
+            _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
+            _softmax_rows(s, m_i, l_i, no_values, br, bc, r.lowest, log2e)
 
 
 def _default(block, size):
@@ -253,9 +305,12 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
 
 
 @njit(fastmath=_FAST)
-def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse_b, delta_b, b, i0, br,
-             j0, bc, r, kv_len, mask, log2e):
-    """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s."""
+def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
+             i0, br, j0, bc, r, kv_len, mask, log2e):
+    """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s.
+
+    P = exp(S - shift) norm, row by row (see `_row_statistics`).
+    """
     d, d_v = q_b.shape[1], v_b.shape[1]
     # S_ij and dP_ij = dO_i V_j^T: two BLAS calls, (br, bc)
     blas.gemm(False, True, br, bc, d, r.scale, q_b[i0:i0 + br],
@@ -266,11 +321,12 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse_b, delta_b, b, i0, br,
              and _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b]))
     for a in range(br):
         i = i0 + a
-        shift = max(lse_b[i], r.lowest)  # row_probability's shift
+        shift = max(shift_b[i], r.lowest)  # row_probability's shift
+        w = norm_b[i]  # 1, or 1 / l where lse lost l
         s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
         if plain:  # every pair allowed, none dropped: a vector loop
             for c in range(bc):
-                p = vector.exp2((s_a[c] - shift) * log2e)
+                p = vector.exp2((s_a[c] - shift) * log2e) * w
                 pz_a[c] = p
                 s_a[c] = p * (dp_a[c] - delta_b[i])
             continue
@@ -280,15 +336,15 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, lse_b, delta_b, b, i0, br,
                 s_a[c] = 0
                 pz_a[c] = 0
                 continue
-            p = vector.exp2((s_a[c] - shift) * log2e)
+            p = vector.exp2((s_a[c] - shift) * log2e) * w
             z = _dropout_weight(r, b, i, j)
             pz_a[c] = p * z
             s_a[c] = p * (dp_a[c] * z - delta_b[i])
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, block_q, block_k,
-                    r, kv_len, mask, log2e):
+def _backward_heads(q, k, v, do, shift, norm, delta, dq, dk, dv, block_q,
+                    block_k, r, kv_len, mask, log2e):
     """All gradients of one batch element per thread, in one pass.
 
     The thread that owns a head owns its dQ too, so each tile's dS adds
@@ -312,8 +368,9 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, block_q, block_k,
                 br = min(block_q, nq - i0)
                 if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                     continue
-                _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b],
-                         delta[b], b, i0, br, j0, bc, r, kv_len, mask, log2e)
+                _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
+                         norm[b], delta[b], b, i0, br, j0, bc, r, kv_len,
+                         mask, log2e)
                 blas.gemm(True, False, bc, d_v, br, 1, pz,
                           do[b, i0:i0 + br], 1, dv_j)
                 blas.gemm(True, False, bc, d, br, r.scale, s,
@@ -325,8 +382,8 @@ def _backward_heads(q, k, v, do, lse, delta, dq, dk, dv, block_q, block_k,
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, r,
-                 kv_len, mask, log2e):
+def _backward_kv(q, k, v, do, shift, norm, delta, dk, dv, block_q, block_k,
+                 r, kv_len, mask, log2e):
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nk + block_k - 1) // block_k
@@ -344,8 +401,9 @@ def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, r,
             br = min(block_q, nq - i0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b], delta[b],
-                     b, i0, br, j0, bc, r, kv_len, mask, log2e)
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
+                     norm[b], delta[b], b, i0, br, j0, bc, r, kv_len, mask,
+                     log2e)
             # dV_j += (P Z)^T dO_i and dK_j += tau dS^T Q_i: BLAS calls
             blas.gemm(True, False, bc, d_v, br, 1, pz, do[b, i0:i0 + br],
                       1, dv_j)
@@ -356,8 +414,8 @@ def _backward_kv(q, k, v, do, lse, delta, dk, dv, block_q, block_k, r,
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _backward_q(q, k, v, do, lse, delta, dq, block_q, block_k, r, kv_len,
-                mask, log2e):
+def _backward_q(q, k, v, do, shift, norm, delta, dq, block_q, block_k, r,
+                kv_len, mask, log2e):
     bh, nq, d = q.shape
     nk = k.shape[1]
     n_blocks = (nq + block_q - 1) // block_q
@@ -374,8 +432,9 @@ def _backward_q(q, k, v, do, lse, delta, dq, block_q, block_k, r, kv_len,
             bc = min(block_k, nk - j0)
             if _tile_skipped(i0, i0 + br, j0, j0 + bc, r, kv_len[b]):
                 continue
-            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], lse[b], delta[b],
-                     b, i0, br, j0, bc, r, kv_len, mask, log2e)
+            _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
+                     norm[b], delta[b], b, i0, br, j0, bc, r, kv_len, mask,
+                     log2e)
             # dQ_i += tau dS_ij K_j: one BLAS call
             blas.gemm(False, False, br, d, bc, r.scale, s, k[bk, j0:j0 + bc],
                       1, dq_i)

@@ -142,3 +142,61 @@ def test_long_sequence_in_linear_memory():
     grown = int(done.stdout.split()[-1])
     io_bytes = 4 * 32768 * 64 * 4  # q, k, v and o
     assert grown < 2 * io_bytes + 64 * 2**20  # not N^2 (4 GiB)
+
+
+def _reference_grads(q, k, v, do, **rules):
+    """(dq, dk, dv) in float64 from flashlab.reference's materialized P:
+    dV = P^T dO, dS = P (dP - rowsum(dP P)), dQ = tau dS K, dK = tau dS^T Q.
+    """
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    tau = rules.get("scale") or 1 / np.sqrt(q.shape[-1])
+    p = reference.softmax(reference.scores(q, k, **rules))  # (..., Nq, Nk)
+    dp = do @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True))
+    return (tau * ds @ k, tau * np.swapaxes(ds, -1, -2) @ q,
+            np.swapaxes(p, -1, -2) @ do)
+
+
+def _relative(x, ref):
+    """max |x - ref| over max(1, max |ref|)."""
+    return max_abs_err(x, ref) / max(1.0, float(np.abs(ref).max()))
+
+
+@pytest.mark.parametrize("value", [1.8e7, -1e30])
+def test_backward_of_huge_equal_scores_float32(rng, value):
+    # every score of a row equal and huge: lse = m + log Nk rounds to m in
+    # float32, so P recomputed from lse alone would be 1 for every key
+    # (Nk times too large); the gradients must still be those of P = 1/Nk
+    q, k, v = qkv(rng, (2,), 6, 10, 4, 3, dtype=np.float32)
+    k[:] = k[:, :1]  # every key the same: every score of a row equal
+    q[:, :, 0] = value / (k[:, :1, 0] / 2)  # tau = 1/2: scores ~value
+    do = rng.standard_normal((2, 6, 3)).astype(np.float32)
+    o, lse = cpu.attention(q, k, v, return_lse=True, block_q=4, block_k=4)
+    assert np.isfinite(lse).all()
+    for g, w in zip(cpu.attention_backward(q, k, v, o, lse, do, block_q=4,
+                                           block_k=4),
+                    _reference_grads(q, k, v, do)):
+        assert _relative(g, w) < 1e-5  # float32: a few ulps of |w|
+
+
+@pytest.mark.parametrize("opts", OPTIONS[:4])
+def test_backward_of_huge_scores_float64(rng, opts):
+    # scores of order 1e17 in float64 (ulp 16 > log Nk): rows whose lse
+    # has lost log l, beside ordinary rows, under every mask rule; plus
+    # one row of scores near -1e300 (as a whole row masked by a large
+    # finite fill)
+    q, k, v = qkv(rng, (2, 2), 33, 21, 8, 5)
+    k[..., 0] = 1.0
+    q[0, 1, :, 1:] = 0
+    q[0, 1, :, 0] = 1e17 * np.sqrt(8)  # every score of those rows 1e17
+    q[1, 0, 4, 1:] = 0
+    q[1, 0, 4, 0] = -1e300
+    do = rng.standard_normal((2, 2, 33, 5))
+    o, lse = cpu.attention(q, k, v, return_lse=True, **opts)
+    rules = {x: y for x, y in opts.items() if x not in ("block_q",
+                                                        "block_k")}
+    want = _reference_grads(q, k, v, do, **rules)
+    for g, w in zip(cpu.attention_backward(q, k, v, o, lse, do, **opts),
+                    want):
+        assert np.isfinite(g).all()
+        assert _relative(g, w) < 1e-12  # float64: sums of Nk terms

@@ -11,7 +11,7 @@ machine with no GPU. See chapters 9 and 10.
 
 import contextlib
 
-from flashlab.gpu import launch, registry
+from flashlab.gpu import launch, registry, traits
 
 # name -> factory, for readers of the kernels (registry holds the facts)
 FACTORIES = {k.name: k.make for k in registry.KERNELS}
@@ -45,8 +45,9 @@ def load(name, d, d_v, cc=None):
         name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
         spec.max_registers)
     loaded = launch.load(cubin, entry, name, signature(name))
-    if spec.shared is not None:
-        loaded.use_shared(spec.shared(d, d_v))
+    dynamic = traits.traits(name, d, d_v).dynamic_shared
+    if dynamic:
+        loaded.use_shared(dynamic)
     return loaded
 
 

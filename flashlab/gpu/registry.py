@@ -44,7 +44,7 @@ class Kernel(NamedTuple):
     dtypes: tuple  # input dtypes it takes
     head_dims: tuple  # values d and d_v may take
     min_cc: tuple  # the oldest compute capability that runs it
-    threads: int  # per block
+    threads: int  # per block (None: set by the head dims, see traits)
     max_registers: int = None  # numba's cap, kept by the driver load
     version: int = None  # forward version number, for forwards
     max_dim: int = 128  # max(d, d_v) it is built for
@@ -75,9 +75,9 @@ _BASE = dict(head_dims=SCALAR_DIMS, min_cc=(7, 5))
 _HELPER = dict(_BASE, threads=device.THREADS, helper=True)
 KERNELS = (
     Kernel("forward_v1", forward_v1.make, "forward", _F32,
-           threads=device.THREADS, version=1, **_BASE),
+           threads=forward_v1.ROWS, version=1, **_BASE),
     Kernel("forward_v2", forward_v2.make, "forward", _F32,
-           threads=device.THREADS, version=2, **_BASE),
+           threads=forward_v2.ROWS, version=2, **_BASE),
     Kernel("forward_v3", forward_v3.make, "forward", _F32,
            threads=device.THREADS, version=3,
            max_registers=forward_v3.MAX_REGISTERS, **_BASE),
@@ -99,10 +99,11 @@ KERNELS = (
              (dtype,), TENSOR_DIMS, (9, 0), forward_v7.THREADS, version=7,
              max_cc=(9, 0), shared=forward_v7.shared_bytes)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # one thread per own row: 64 or 32 by the head dims (backward.sizes)
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
-           threads=device.THREADS, **_BASE),
+           threads=None, **_BASE),
     Kernel("backward_q", backward.make_q, "backward_q", _F32,
-           threads=device.THREADS, **_BASE),
+           threads=None, **_BASE),
     Kernel("backward_kv_blocked", backward.make_kv_blocked, "backward_kv",
            _F32, threads=device.THREADS, max_dim=backward.BLOCKED_MAX_DIM,
            **_BASE),
