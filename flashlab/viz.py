@@ -654,3 +654,588 @@ def access_patterns(patterns, kind):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+# Chapter 12: Hopper's warpgroup MMA, drawn from the models in
+# flashlab.fragments, the order of forward_v7's loop and the stored H200
+# runs (flashlab.measured).
+
+
+def core_matrices(rows=16, per_row=4, k_step=1):
+    """Chapter 12: a tile of rows x 8 per_row 16-bit values stored as core
+    matrices (fragments.core_offset), and what k-step `k_step` of its
+    K-major descriptor reads, found by fragments.wgmma_operand."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from flashlab import fragments as fr
+
+    cols = 8 * per_row
+    shared = np.empty(rows * cols, np.int64)  # a tile element's index
+    for r in range(rows):
+        for c in range(per_row):
+            at = fr.core_offset(r, c, per_row) // 2
+            shared[at:at + 8] = r * cols + 8 * c + np.arange(8)
+    lbo, sbo, step = fr.k_major(per_row)
+    desc = fr.descriptor(k_step * step, lbo, sbo)
+    read = fr.wgmma_operand(shared, desc, rows, transposed=False)
+    core = np.empty(rows * cols, np.int64)  # element -> its core matrix
+    core[shared] = np.arange(shared.size) * 2 // fr.CORE_BYTES
+    core = core.reshape(rows, cols)
+    hit = np.isin(np.arange(rows * cols), read).reshape(rows, cols)
+    fig, (ta, ma) = plt.subplots(
+        1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [cols, 40]})
+    ta.imshow(core % 10, cmap="Pastel1", vmin=0, vmax=9, aspect="auto")
+    for (r, c), n in np.ndenumerate(core[::8, ::8]):
+        ta.text(8 * c + 3.5, 8 * r + 3.5, str(n), ha="center",
+                va="center", fontsize=10)
+    rr, cc = np.nonzero(hit)
+    ta.add_patch(Rectangle((cc.min() - 0.5, rr.min() - 0.5),
+                           cc.max() - cc.min() + 1, rr.max() - rr.min() + 1,
+                           fill=False, lw=2.5, ec="black"))
+    ta.set_xticks(np.arange(0, cols + 1, 8) - 0.5, np.arange(0, cols + 1, 8))
+    ta.set_yticks(np.arange(0, rows + 1, 8) - 0.5, np.arange(0, rows + 1, 8))
+    ta.set_xlabel("column (16-bit values)")
+    ta.set_ylabel("row")
+    ta.set_title(f"the tile: core matrix of each value; k-step {k_step} "
+                 "outlined", fontsize=9)
+    n_cores = rows * cols * 2 // fr.CORE_BYTES
+    read_cores = set(core[hit].tolist())
+    for n in range(n_cores):
+        ma.add_patch(Rectangle((n * fr.CORE_BYTES, 0), fr.CORE_BYTES, 1,
+                               fc=plt.get_cmap("Pastel1")(n % 10),
+                               ec="black", lw=0.8,
+                               hatch="///" if n in read_cores else None))
+        ma.text((n + 0.5) * fr.CORE_BYTES, 0.5, str(n), ha="center",
+                va="center", fontsize=10)
+    ma.set_xlim(0, n_cores * fr.CORE_BYTES)
+    ma.set_ylim(0, 1)
+    ma.set_yticks([])
+    ma.set_xticks(np.arange(0, n_cores + 1, 2) * fr.CORE_BYTES)
+    ma.set_xlabel("byte address in shared memory")
+    ma.set_title(f"shared memory: 128 bytes a core matrix; LBO {lbo}, "
+                 f"SBO {sbo}; k-step {k_step} reads the hatched ones",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def wgmma_owners(n=None):
+    """Chapter 12: (64, n) thread of a warpgroup holding each element of
+    the m64nN accumulator (fragments.wgmma_c_places), or with n None
+    (64, 16) of the register A operand (fragments.wgmma_a_places)."""
+    from flashlab import fragments as fr
+
+    if n is None:
+        places, owner = fr.wgmma_a_places(), np.empty((64, 16), np.int64)
+    else:
+        places, owner = fr.wgmma_c_places(n), np.empty((64, n), np.int64)
+    threads = np.arange(128).reshape((128,) + (1,) * (places.ndim - 2))
+    owner[places[..., 0], places[..., 1]] = np.broadcast_to(
+        threads, places.shape[:-1])
+    return owner
+
+
+def wgmma_registers(n=32):
+    """Chapter 12: who holds the m64nN accumulator (warp of each element),
+    and rows 0-15 of its first 16 columns beside the A operand of P V's
+    first k-step, thread by thread: the same threads, the same places."""
+    import matplotlib.pyplot as plt
+
+    acc, a = wgmma_owners(n), wgmma_owners()
+    fig, axes = plt.subplots(1, 3, figsize=(10, 4.2),
+                             gridspec_kw={"width_ratios": [n, 24, 24]})
+    axes[0].imshow(acc // 32, cmap="tab10", vmin=0, vmax=9, aspect="auto")
+    for w in range(4):
+        axes[0].text(n / 2 - 0.5, 16 * w + 7.5, f"warp {w}", ha="center",
+                     va="center", fontsize=9)
+    axes[0].set_xticks(np.arange(0, n + 1, 8) - 0.5, np.arange(0, n + 1, 8))
+    axes[0].set_yticks(np.arange(0, 65, 16) - 0.5, np.arange(0, 65, 16))
+    axes[0].set_title(f"accumulator, 64 x {n}", fontsize=9)
+    for ax, owner, title in (
+            (axes[1], acc, "accumulator (S), rows 0-15,\ncolumns 0-15: "
+             "thread"),
+            (axes[2], a, "A operand of P V, k-step 0,\nrows 0-15: thread")):
+        part = owner[:16, :16]
+        ax.imshow(part // 4, cmap="tab20", vmin=0, vmax=19, aspect="auto")
+        for (r, c), t in np.ndenumerate(part):
+            ax.text(c, r, str(t), ha="center", va="center", fontsize=5.5)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def swizzle_slots(rows=8, chunks=8):
+    """Chapter 12: (rows, chunks) 16-byte slot of its 128-byte row where
+    chunk c of row r lies under the 128-byte swizzle
+    (fragments.swizzle_address)."""
+    from flashlab import fragments as fr
+
+    r, c = np.meshgrid(np.arange(rows), np.arange(chunks), indexing="ij")
+    return fr.swizzle_address(128 * r + 16 * c) % 128 // 16
+
+
+def swizzle_pattern(chunk=2):
+    """Chapter 12: 8 rows of 128 bytes, plain and 128-byte swizzled, each
+    slot colored by the chunk it holds; the 8 pieces of `chunk` that one
+    core matrix of a k-step reads are outlined, with the banks they hit
+    (bank_conflicts)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    r = np.arange(8)
+    plain = np.tile(np.arange(8), (8, 1))  # slot of chunk c is c
+    slots = swizzle_slots()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.9))
+    for ax, slot, name in ((axes[0], plain, "unswizzled"),
+                           (axes[1], slots, "128-byte swizzle")):
+        held = np.empty((8, 8), np.int64)  # the chunk in each slot
+        held[r[:, None], slot] = np.arange(8)[None, :]
+        ax.imshow(held, cmap="Set3", vmin=0, vmax=11)
+        for (y, x), c in np.ndenumerate(held):
+            ax.text(x, y, str(c), ha="center", va="center", fontsize=9)
+        for y in range(8):
+            ax.add_patch(Rectangle((slot[y, chunk] - 0.5, y - 0.5), 1, 1,
+                                   fill=False, lw=2.5, ec="black"))
+        degree = bank_conflicts(128 * r + 16 * slot[:, chunk])
+        ax.set_xticks(range(8), [f"{4 * s}-{4 * s + 3}" for s in range(8)],
+                      fontsize=7)
+        ax.set_yticks(range(8))
+        ax.set_xlabel("slot of the row (its 4 banks)")
+        ax.set_ylabel("row")
+        ax.set_title(f"{name}: chunk {chunk} of rows 0-7, "
+                     f"{degree}-way", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+# forward_v7's steps, by the name its kernel calls them: the tile's
+# barrier, the two products issued, their waits, and the lanes' own work
+V7_STEPS = {"handed_over": "barrier", "s_issue": "issue S",
+            "o_issue": "issue PV", "s_wait": "wait S", "s_wait_one": "wait S",
+            "o_wait": "wait PV", "tile_softmax": "softmax",
+            "rescale": "rescale", "to_a": "to_a"}
+
+
+def v7_program():
+    """Chapter 12: (prologue, loop, epilogue) of forward_v7's kernel as
+    lists of V7_STEPS, read from its source in the order it makes them:
+    before the loop over K/V tiles, one pass of it, after it."""
+    import ast
+    import inspect
+    import textwrap
+
+    from flashlab.gpu import forward_v7
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(forward_v7.make)))
+    kernel = next(f for f in ast.walk(tree)
+                  if isinstance(f, ast.FunctionDef)
+                  and f.name == "forward_v7")
+    loops = [k for k, s in enumerate(kernel.body)
+             if isinstance(s, ast.For) and s.target.id == "jt"]
+    if len(loops) != 1:
+        raise ValueError("forward_v7: expected one loop over tiles `jt`")
+
+    def steps(statements):
+        calls = sorted((c for s in statements for c in ast.walk(s)
+                        if isinstance(c, ast.Call)
+                        and isinstance(c.func, ast.Name)
+                        and c.func.id in V7_STEPS),
+                       key=lambda c: (c.lineno, c.col_offset))
+        return [V7_STEPS[c.func.id] for c in calls]
+
+    k = loops[0]
+    return (steps(kernel.body[:k]), steps([kernel.body[k]]),
+            steps(kernel.body[k + 1:]))
+
+
+class Span(NamedTuple):
+    """One interval of the timeline model: `who` ran `what` of `tile`."""
+
+    who: str  # "tensor cores", "warpgroup w" (its lanes), "barrier"
+    what: str  # "S", "PV", "softmax", "rescale"
+    group: int  # the warpgroup whose work it is
+    tile: int
+    start: float
+    end: float
+
+
+def v7_timeline(program, tiles=4, groups=2, costs=None):
+    """Chapter 12: the spans of `groups` warpgroups running `program`
+    (v7_program) over `tiles` K/V tiles, sharing one tensor-core queue.
+
+    A model, not a measurement: costs (in units of one S_ij product) are
+    {"S", "PV", "softmax", "rescale"}; copies are taken to have landed by
+    each barrier. Products run in the order they are issued; a wait holds
+    a warpgroup until its product is done; the barrier holds every
+    warpgroup until all reach it.
+    """
+    costs = {"S": 1.0, "PV": 1.0, "softmax": 0.75, "rescale": 0.15,
+             **(costs or {})}
+    prologue, loop, epilogue = program
+    code = prologue + loop * (tiles - 1) + epilogue
+    now, pc = [0.0] * groups, [0] * groups
+    done = [{} for _ in range(groups)]  # product -> when it ends
+    s_tile, p_tile = [-1] * groups, [-1] * groups
+    queue_free, spans = 0.0, []
+    while min(pc) < len(code):
+        g = min((x for x in range(groups) if pc[x] < len(code)
+                 and not (code[pc[x]] == "barrier"
+                          and min(pc) < pc[x])),
+                key=lambda x: (now[x], x))
+        step = code[pc[g]]
+        if step == "barrier":  # every warpgroup is here: all go on
+            if any(code[pc[x]] != "barrier" or pc[x] != pc[g]
+                   for x in range(groups)):
+                raise ValueError("program: warpgroups out of step")
+            now = [max(now)] * groups
+            pc = [p + 1 for p in pc]
+            spans.append(Span("barrier", "barrier", -1, -1, now[0], now[0]))
+            continue
+        if step in ("issue S", "issue PV"):
+            what = step.split()[1]
+            if what == "S":
+                s_tile[g] += 1
+            tile = s_tile[g] if what == "S" else p_tile[g]
+            start = max(now[g], queue_free)
+            queue_free = start + costs[what]
+            done[g][what] = queue_free
+            spans.append(Span("tensor cores", what, g, tile, start,
+                              queue_free))
+        elif step.startswith("wait"):
+            now[g] = max(now[g], done[g][step.split()[1]])
+        elif step == "to_a":  # P of the tile just softmaxed is A of P V
+            p_tile[g] = s_tile[g]
+        else:  # the lanes' own work: softmax, rescale
+            spans.append(Span(f"warpgroup {g}", step, g, s_tile[g],
+                              now[g], now[g] + costs[step]))
+            now[g] += costs[step]
+        pc[g] += 1
+    return spans
+
+
+def timeline_figure(spans, groups=2):
+    """Chapter 12: the spans of v7_timeline as bars, one row per unit,
+    the barriers as dotted lines."""
+    import matplotlib.pyplot as plt
+
+    units = ["tensor cores"] + [f"warpgroup {g}" for g in range(groups)]
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    colors = {("S", 0): "#4c72b0", ("PV", 0): "#8fa8d6",
+              ("S", 1): "#c44e52", ("PV", 1): "#e39a9c"}
+    for s in spans:
+        if s.who == "barrier":  # the block's barrier: every warp meets
+            ax.axvline(s.start, color="black", ls=":", lw=1)
+            continue
+        y = len(units) - 1 - units.index(s.who)
+        color = colors.get((s.what, s.group % 2),
+                           "#55a868" if s.what == "softmax" else "#bbbbbb")
+        ax.barh(y, s.end - s.start, left=s.start, height=0.7, color=color,
+                edgecolor="white")
+        if s.what != "rescale":
+            label = f"{'P V' if s.what == 'PV' else s.what} {s.tile}"
+            ax.text((s.start + s.end) / 2, y, label, ha="center",
+                    va="center", fontsize=7)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=f"{w} of warpgroup {g}")
+                       for (w, g), c in colors.items()]
+              + [Patch(color="#55a868", label="softmax"),
+                 Patch(color="#bbbbbb", label="rescale O")],
+              fontsize=7, ncol=3, loc="upper center",
+              bbox_to_anchor=(0.5, -0.35))
+    ax.set_yticks(range(len(units)), units[::-1])
+    ax.set_xlabel("time, in units of one S_ij product (a model); dotted: "
+                  "the block's barrier")
+    ax.set_xlim(0, max(s.end for s in spans))
+    fig.tight_layout()
+    return fig
+
+
+def ncu_sections(text):
+    """Chapter 12: {kernel: {metric: value}} of an Nsight Compute text
+    report whose sections begin "== <kernel>" (hopper_profile_h200.txt)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("== "):
+            name = line[3:].strip()
+            out[name] = {}
+            continue
+        parts = line.split()
+        if name is None or len(parts) != 3 or "__" not in parts[0]:
+            continue
+        try:
+            out[name][parts[0]] = float(parts[2].replace(",", ""))
+        except ValueError:
+            continue
+    return out
+
+
+def stall_reasons(metrics):
+    """Chapter 12: {reason: warps stalled per issued instruction} from
+    one kernel's ncu_sections metrics ("selected" is the issuing warp
+    itself, not a stall)."""
+    import re
+
+    out = {}
+    for key, value in metrics.items():
+        m = re.fullmatch(r"smsp__average_warps_issue_stalled_(\w+)"
+                         r"_per_issue_active\.ratio", key)
+        if m and m.group(1) != "selected":
+            out[m.group(1)] = value
+    return out
+
+
+def stall_figure(profile, least=0.05):
+    """Chapter 12: the stall reasons of each kernel of `profile`
+    (ncu_sections), side by side, those of at least `least` in one."""
+    import matplotlib.pyplot as plt
+
+    stalls = {k: stall_reasons(m) for k, m in profile.items()}
+    reasons = sorted({r for s in stalls.values() for r, v in s.items()
+                      if v >= least},
+                     key=lambda r: -max(s.get(r, 0) for s in
+                                        stalls.values()))
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    width = 0.8 / len(stalls)
+    for k, (name, s) in enumerate(stalls.items()):
+        ax.bar(np.arange(len(reasons)) + k * width,
+               [s.get(r, 0) for r in reasons], width, label=name)
+    ax.set_xticks(np.arange(len(reasons)) + 0.4 - width / 2,
+                  [r.replace("_", " ") for r in reasons], rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("warps stalled per issue")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def hopper_bench(rows, impls, sizes):
+    """Chapter 12: forward TFLOP/s by N of `impls` (measured.rows of
+    hopper_h200.csv), one panel per head dim and mask."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(11, 3.2), sharey=True)
+    cases = [(d, causal) for d in (64, 128) for causal in (False, True)]
+    for ax, (d, causal) in zip(axes, cases):
+        for impl in impls:
+            pts = [next(r["tflops"] for r in rows if r["impl"] == impl
+                        and int(r["d"]) == d and r["causal"] == causal
+                        and r["N"] == n) for n in sizes]
+            ax.plot(sizes, pts, "o--" if impl.startswith("torch") else "s-",
+                    label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_title(f"d={d}, {'causal' if causal else 'full'}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("forward TFLOP/s")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def ladder_figure(ladder):
+    """Chapter 12: TFLOP/s of each step of a stored ladder record
+    ({"shape", "steps": [{"step", "d", "causal", "tflops"}, ...]}), one
+    bar per head dim."""
+    import matplotlib.pyplot as plt
+
+    steps = list(dict.fromkeys(s["step"] for s in ladder["steps"]))
+    dims = sorted({s["d"] for s in ladder["steps"]})
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    height = 0.8 / len(dims)
+    for k, d in enumerate(dims):
+        for y, step in enumerate(steps[::-1]):
+            t = next(s["tflops"] for s in ladder["steps"]
+                     if s["step"] == step and s["d"] == d)
+            ax.barh(y + k * height, t, height, color=f"C{k}",
+                    label=f"d={d}" if y == 0 else None)
+            ax.text(t + 3, y + k * height, f"{t:.0f}", va="center",
+                    fontsize=8)
+    ax.set_yticks(np.arange(len(steps)) + 0.4 - height / 2, steps[::-1],
+                  fontsize=8)
+    ax.set_xlim(0, 1.25 * max(s["tflops"] for s in ladder["steps"]))
+    ax.set_xlabel(f"forward TFLOP/s ({ladder['shape']})")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# Chapter 9: one figure per forward version, each drawing the one idea
+# that version adds, from the kernels' own layout constants.
+
+
+class KernelCounts(NamedTuple):
+    """What one block of a chapter 9 forward version does per K/V tile."""
+
+    rows: int  # query rows per block (B_r)
+    keys: int  # keys per tile (B_c; v1 takes one key at a time)
+    threads: int  # threads per block
+    hbm_reads: int  # times the block reads each K/V element from HBM
+    loads_s: float  # memory loads per multiply-add of S = Q K^T
+    loads_pv: float  # memory loads per multiply-add of P V
+    softmax_threads: int  # threads busy with the tile's max, exp and sum
+    exps: int  # exponentials per busy thread per tile (alphas included)
+
+
+def kernel_counts(version, d=64, d_v=64):
+    """KernelCounts of forward v1-v4 at head dims d, d_v (chapter 9).
+
+    From each version's `shape` and `device.tiles`; the loads per
+    multiply-add of v3 and v4 are those of `device.score_piece` and
+    `device.output_piece` (the tests count them by running both).
+    """
+    from flashlab import gpu
+    from flashlab.gpu import device
+
+    rows, keys, threads = gpu.FORWARDS[version].shape(d, d_v)
+    if version == 1:  # each thread its own row, each key from HBM
+        return KernelCounts(rows, 1, threads, rows, 1.0, 1.0, threads, 2)
+    if version == 2:  # K_j, V_j staged once; q and u in registers
+        return KernelCounts(rows, keys, threads, 1, 1.0, 1.0, threads,
+                            keys + 1)
+    tl = device.tiles(d, d_v)
+    loads_s = (tl.RM + tl.CN) / (tl.RM * tl.CN)  # RM of Q, CN of K
+    loads_pv = (tl.RM + tl.OC) / (tl.RM * tl.OC)  # RM of P, OC of V
+    if version == 3:  # one thread per row runs the row's softmax
+        return KernelCounts(rows, keys, threads, 1, loads_s, loads_pv,
+                            tl.BR, tl.BC + 1)
+    return KernelCounts(rows, keys, threads, 1, loads_s, loads_pv,
+                        threads, tl.RM * tl.CN + tl.RM)
+
+
+def _bars(ax, title, pairs, now, log=False):
+    """Horizontal bars of (label, value) pairs, values written on them;
+    labels starting with `now` in colour, the version before in grey."""
+    labels = [label for label, _ in pairs][::-1]  # first pair on top
+    values = [value for _, value in pairs][::-1]
+    ax.barh(labels, values, color=["C0" if label.startswith(now) else "0.6"
+                                   for label in labels])
+    for y, value in enumerate(values):
+        ax.text(value, y, f" {value:g}", va="center", fontsize=8)
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlim(right=max(values) * (8 if log else 1.35))
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=8)
+
+
+def _owner_map(ax, owner, title, xlabel, ylabel, label_every=None):
+    """An image of which thread owns each cell (tab20 colours by id)."""
+    import matplotlib.pyplot as plt
+
+    shown = np.ma.masked_less(owner, 0)  # -1: no thread (drawn white)
+    ax.imshow(shown % 20, cmap=plt.cm.tab20, vmin=0, vmax=19,
+              interpolation="nearest", aspect="auto")
+    if label_every:
+        for (r, c), t in np.ndenumerate(owner):
+            if t >= 0 and t in label_every and (
+                    r == 0 or owner[r - 1, c] != t) and (
+                    c == 0 or owner[r, c - 1] != t):
+                ax.text(c, r, str(t), fontsize=6, va="top", ha="left")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=7)
+
+
+def score_owners(version, d=64, d_v=64):
+    """(B_r, B_c) thread that computes each score of a tile (v2-v4)."""
+    rows, keys = kernel_counts(version, d, d_v)[:2]
+    if version == 2:  # thread t: the whole row t
+        return np.repeat(np.arange(rows)[:, None], keys, 1)
+    from flashlab.gpu import device
+
+    tl = device.tiles(d, d_v)
+    r, c = np.indices((tl.BR, tl.BC))
+    return (r // tl.RM) * tl.TX + c // tl.CN  # t = ty TX + tx
+
+
+def output_owners(d=64, d_v=64):
+    """(B_r, d_v) thread that accumulates each output element (v3, v4)."""
+    from flashlab.gpu import device
+
+    tl = device.tiles(d, d_v)
+    r, c = np.indices((tl.BR, d_v))
+    return (r // tl.RM) * tl.TX + c % tl.TX  # columns tx, tx + TX, ...
+
+
+def softmax_owners(version, d=64, d_v=64):
+    """(B_r, B_c) thread that exponentiates each score (v3, v4)."""
+    if version == 4:  # every thread its own piece
+        return score_owners(4, d, d_v)
+    rows, keys = kernel_counts(3, d, d_v)[:2]
+    return np.repeat(np.arange(rows)[:, None], keys, 1)  # thread r: row r
+
+
+def stage_owners(rows, cols, threads):
+    """(rows, cols) thread that copies each element in `device.stage`."""
+    return np.arange(rows * cols).reshape(rows, cols) % threads
+
+
+def kernel_version(version, d=64, d_v=64):
+    """Chapter 9: the idea of forward v<version> as a figure.
+
+    v1: a thread per query row, every thread reading every key from HBM;
+    v2: a K/V tile staged into SRAM once per block; v3: each thread an
+    RM x CN piece of S and RM rows of O; v4: the softmax on every
+    thread's own piece. The right panel compares the counts the version
+    changes with the version before (`kernel_counts`).
+    """
+    import matplotlib.pyplot as plt
+
+    now = kernel_counts(version, d, d_v)
+    before = kernel_counts(version - 1, d, d_v) if version > 1 else None
+    ratios = [3, 2] if version in (1, 2) else [2, 2, 2]
+    fig, axes = plt.subplots(1, len(ratios), figsize=(10, 3.4),
+                             gridspec_kw={"width_ratios": ratios})
+    v, w = f"v{version}", f"v{version - 1}"
+    if version == 1:
+        shown = 32  # the first 32 of the block's rows and keys
+        owner = np.repeat(np.arange(shown)[:, None], shown, 1)
+        _owner_map(axes[0], owner, f"{now.threads} threads: thread i "
+                   "owns query row i;\nevery (row, key) cell is a read "
+                   "of k_j, v_j from HBM", "key j (first 32)",
+                   "query row = thread (first 32)")
+        _bars(axes[1], "reads of each K/V element from HBM,\nper block "
+              f"of {now.rows} rows", [(v, now.hbm_reads)], v)
+    elif version == 2:
+        owner = stage_owners(now.keys, d, now.threads)
+        _owner_map(axes[0], owner, f"K_j in SRAM ({now.keys} keys x {d}):"
+                   f" element (j, x) copied by\nthread (j {d} + x) mod "
+                   f"{now.threads}, consecutive threads on consecutive "
+                   "x", "x (head dimension)", "key in tile",
+                   label_every={0, 1, now.threads - 1})
+        _bars(axes[1], "reads of each K/V element from HBM,\nper block "
+              "(log scale)", [(w, before.hbm_reads), (v, now.hbm_reads)],
+              v, log=True)
+    elif version == 3:
+        _owner_map(axes[0], score_owners(3, d, d_v),
+                   f"S_ij ({now.rows} x {now.keys}): thread t computes a "
+                   "piece", "key in tile", "query row in block",
+                   label_every={0, 1, 8, 127})
+        _owner_map(axes[1], output_owners(d, d_v),
+                   "O_i: its rows, every 8th column", "output column",
+                   "", label_every={0, 1})
+        _bars(axes[2], "SRAM loads per multiply-add",
+              [(f"{w}, S", before.loads_s), (f"{v}, S", now.loads_s),
+               (f"{w}, PV", before.loads_pv), (f"{v}, PV", now.loads_pv)],
+              v)
+    else:
+        for ax, ver in zip(axes[:2], (3, 4)):
+            owner = softmax_owners(ver, d, d_v)
+            busy = len(np.unique(owner))
+            _owner_map(ax, owner, f"v{ver}: who exponentiates S_ij\n"
+                       f"({busy} of {now.threads} threads busy)",
+                       "key in tile", "query row in block" if ver == 3
+                       else "", label_every={0, 1, 8, 127})
+        _bars(axes[2], "softmax of one tile",
+              [(f"{w}: busy threads", before.softmax_threads),
+               (f"{v}: busy threads", now.softmax_threads),
+               (f"{w}: exps per thread", before.exps),
+               (f"{v}: exps per thread", now.exps)], v)
+    fig.tight_layout()
+    return fig
