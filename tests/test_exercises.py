@@ -159,3 +159,45 @@ def test_one_module_per_chapter_registered_in_chapter_order():
         assert module == f"flashlab.exercises.chapter{ex.chapter:02d}"
         assert ex.cases.__module__ == module
         assert all(w.__module__ == module for _, w in ex.mistakes)
+
+
+def test_chapter12_answers_match_the_kernel_and_the_model():
+    # the worked answers against what v7 and the wgmma model do: thread
+    # t of v7's copy puts chunk c of row r where swizzled_place says, and
+    # accumulator register k of thread t is element (i, j) whose
+    # accumulator_register is (t, k)
+    from flashlab import fragments
+    from flashlab.gpu import forward_v7
+
+    place = exercises.solution("swizzled_place")
+    for rows, per_row in ((128, 8), (128, 16)):
+        for t in range(forward_v7.THREADS):
+            offset, r, c, step = forward_v7.panel_copy_place(
+                t, per_row, rows, forward_v7.THREADS)
+            got = place(np.array([r, r + step]), np.array([c, c]), rows)
+            assert got.tolist() == [offset, offset + step * 128]
+    places = fragments.wgmma_c_places(64)  # (128, 32, 2)
+    got = exercises.solution("accumulator_register")(
+        places[..., 0].ravel(), places[..., 1].ravel())
+    t, k = np.meshgrid(np.arange(128), np.arange(32), indexing="ij")
+    assert np.array_equal(got, np.stack([t.ravel(), k.ravel()], -1))
+    desc = exercises.solution("descriptor")(0x12340, 128, 2048)
+    assert fragments.descriptor_fields(desc) == (0x12340, 128, 2048)
+
+
+def test_chapter12_a_near_miss_fails():
+    # one register off, one slot off, one field off: each is refused
+    def register_off(i, j):
+        return _right("accumulator_register")(i, j) + np.array([0, 1])
+
+    def slot_off(rows, chunks, n_rows):
+        return _right("swizzled_place")(rows, chunks ^ 1, n_rows)
+
+    def sbo_off(address, lbo, sbo):
+        return _right("descriptor")(address, lbo, sbo + 16)
+
+    for name, wrong in (("accumulator_register", register_off),
+                        ("swizzled_place", slot_off),
+                        ("descriptor", sbo_off)):
+        with pytest.raises(exercises.ExerciseError, match="compared exactly"):
+            exercises.check(name, wrong, seed=0)

@@ -9,7 +9,7 @@ when the wrong answer is the one a typical mistake produces (a forgotten
 rescale, a division before the end, a maximum not subtracted), the hint
 names that mistake.
 
-One module per chapter (`chapter01` ... `chapter11`); in it, each
+One module per chapter (`chapter01` ... `chapter12`); in it, each
 exercise is one block: its cases, its worked solution (`solution(name)`,
 shown in the book), its typical mistakes, and the `register` call that
 ties them together. Adding an exercise touches that one block.
@@ -27,6 +27,7 @@ from flashlab.exercises import (  # noqa: F401  (each registers its own)
     chapter09,
     chapter10,
     chapter11,
+    chapter12,
 )
 from flashlab.exercises.checker import (
     EXERCISES,

@@ -1,0 +1,184 @@
+"""Chapter 12's exercises on the wgmma models: no GPU needed."""
+
+import numpy as np
+
+from flashlab import fragments
+from flashlab.exercises.checker import Case, Exercise, register
+
+# ---------------------------------------------------------- descriptor
+
+
+def _cases_descriptor(rng):
+    out = [Case("K-major core matrices, d = 64", (0x2000, 128, 1024),
+                fragments.descriptor(0x2000, 128, 1024)),
+           Case("MN-major core matrices, d_v = 128", (0x6400, 2048, 128),
+                fragments.descriptor(0x6400, 2048, 128)),
+           Case("a generic address above 256 KiB (only 18 bits count)",
+                (0x7F41230, 128, 256),
+                fragments.descriptor(0x7F41230, 128, 256))]
+    address = int(rng.integers(0, 2 ** 14)) * 16
+    lbo, sbo = (int(x) * 16 for x in rng.integers(1, 2 ** 10, 2))
+    out.append(Case("random fields", (address, lbo, sbo),
+                    fragments.descriptor(address, lbo, sbo)))
+    return out
+
+
+def descriptor(address, lbo, sbo):
+    """Chapter 12: wgmma's 64-bit matrix descriptor (no swizzle) as an int.
+
+    Three fields in 16-byte units: the shared address (its low 18 bits)
+    in bits 0-13, LBO (the next core matrix along K) in bits 16-29, SBO
+    (the next along M or N) in bits 32-45.
+    """
+    return (((address & 0x3FFFF) >> 4) | ((lbo >> 4) << 16)
+            | ((sbo >> 4) << 32))
+
+
+def _descriptor_bytes(address, lbo, sbo):
+    return (address & 0x3FFFF) | (lbo << 16) | (sbo << 32)
+
+
+def _descriptor_swapped(address, lbo, sbo):
+    return (((address & 0x3FFFF) >> 4) | ((sbo >> 4) << 16)
+            | ((lbo >> 4) << 32))
+
+
+def _descriptor_unmasked(address, lbo, sbo):
+    return (address >> 4) | ((lbo >> 4) << 16) | ((sbo >> 4) << 32)
+
+
+register("descriptor", Exercise(
+    12, "descriptor(address, lbo, sbo) -> int: wgmma's matrix "
+    "descriptor (no swizzle) of a tile at shared address `address` with "
+    "leading and stride byte offsets lbo, sbo",
+    _cases_descriptor, descriptor,
+    (("every field counts 16-byte units: shift the address, LBO and SBO "
+      "right by 4 before placing them", _descriptor_bytes),
+     ("LBO (along K) goes to bits 16-29 and SBO (along M or N) to bits "
+      "32-45, not the other way round", _descriptor_swapped),
+     ("only the address's low 18 bits are a shared-memory offset: mask "
+      "with 0x3FFFF first, or a generic address spills into LBO's field",
+      _descriptor_unmasked))))
+
+# ------------------------------------------------------- swizzled_place
+
+
+def _cases_swizzled_place(rng):
+    out = []
+    for name, rows, per_row in (("d = 64: one panel, 64 rows", 64, 8),
+                                ("d = 128: two panels, 128 rows", 128, 16)):
+        r = np.repeat(np.arange(rows), per_row)
+        c = np.tile(np.arange(per_row), rows)
+        out.append(Case(name, (r, c, rows),
+                        fragments.panel_offset(r, c, rows)))
+    r, c = rng.integers(0, 128, 30), rng.integers(0, 16, 30)
+    out.append(Case("random rows and chunks, 128 rows", (r, c, 128),
+                    fragments.panel_offset(r, c, 128)))
+    return out
+
+
+def swizzled_place(rows, chunks, n_rows):
+    """Chapter 12: byte offset of 16-byte chunk `chunks` of row `rows` in a
+    128-byte-swizzled tile of n_rows rows.
+
+    Panels of 8 chunks (64 16-bit columns) lie one after the other, each
+    n_rows x 128 bytes; in its panel, chunk c of row r sits in slot
+    c ^ (r % 8) of the row's 128 bytes.
+    """
+    panel, c = chunks // 8, chunks % 8
+    return panel * n_rows * 128 + rows * 128 + (c ^ (rows % 8)) * 16
+
+
+def _swizzled_no_panels(rows, chunks, n_rows):
+    per_row = 16  # one long row of every chunk, XOR on the whole chunk
+    return rows * per_row * 16 + (chunks ^ (rows % 8)) * 16
+
+
+def _swizzled_not_swizzled(rows, chunks, n_rows):
+    return (chunks // 8) * n_rows * 128 + rows * 128 + (chunks % 8) * 16
+
+
+def _swizzled_whole_row(rows, chunks, n_rows):
+    return ((chunks // 8) * n_rows * 128 + rows * 128
+            + ((chunks % 8) ^ rows) * 16)
+
+
+register("swizzled_place", Exercise(
+    12, "swizzled_place(rows (n,), chunks (n,), n_rows) -> int array "
+    "(n,): the byte offset of each 16-byte chunk in a 128-byte-swizzled "
+    "tile of n_rows rows (panels of 64 columns)",
+    _cases_swizzled_place, swizzled_place,
+    (("rows longer than 128 bytes are cut into panels of 8 chunks, stored "
+      "one after the other (n_rows x 128 bytes each)", _swizzled_no_panels),
+     ("the chunk's slot is c ^ (r % 8): without the XOR, chunk c of 8 rows "
+      "falls in the same 4 banks", _swizzled_not_swizzled),
+     ("only the row's low three bits take part (r % 8): XOR with the whole "
+      "row leaves the 128-byte row", _swizzled_whole_row))))
+
+# ------------------------------------------------- accumulator_register
+
+
+def _places(n):
+    """(64, n, 2) (thread, register) holding each element of m64nN."""
+    out = np.empty((64, n, 2), np.int64)
+    places = fragments.wgmma_c_places(n)  # (128, n // 2, 2)
+    t, r = np.meshgrid(np.arange(128), np.arange(n // 2), indexing="ij")
+    out[places[..., 0], places[..., 1]] = np.stack([t, r], -1)
+    return out
+
+
+def _cases_accumulator(rng):
+    out = []
+    for name, n in (("every element of m64n16", 16),
+                    ("every element of m64n128", 128)):
+        i, j = np.meshgrid(np.arange(64), np.arange(n), indexing="ij")
+        out.append(Case(name, (i.ravel(), j.ravel()),
+                        _places(n).reshape(-1, 2)))
+    i, j = rng.integers(0, 64, 25), rng.integers(0, 256, 25)
+    out.append(Case("random elements of m64n256", (i, j), _places(256)[i, j]))
+    return out
+
+
+def accumulator_register(i, j):
+    """Chapter 12: (n, 2) (thread, register) of the warpgroup holding
+    S[i, j] of a m64nN wgmma accumulator.
+
+    Warp i // 16 holds rows 16 w..; in them, mma.sync's C fragment of
+    8-column group j // 8 (lane 4 G + t: rows G, G + 8, columns 2 t,
+    2 t + 1), its four registers numbered on by 4 per group.
+    """
+    warp, g, half = i // 16, i % 8, (i % 16) // 8
+    thread = 32 * warp + 4 * g + (j % 8) // 2
+    register_ = 4 * (j // 8) + 2 * half + j % 2
+    return np.stack([thread, register_], -1)
+
+
+def _accumulator_lane_swapped(i, j):
+    warp, g, half = i // 16, i % 8, (i % 16) // 8
+    thread = 32 * warp + 8 * ((j % 8) // 2) + g  # lane = 8 t + G
+    return np.stack([thread, 4 * (j // 8) + 2 * half + j % 2], -1)
+
+
+def _accumulator_no_warp(i, j):
+    g, half = i % 8, (i % 16) // 8
+    thread = 4 * g + (j % 8) // 2  # every row in warp 0
+    return np.stack([thread, 4 * (j // 8) + 2 * half + j % 2], -1)
+
+
+def _accumulator_a_order(i, j):
+    warp, g, half = i // 16, i % 8, (i % 16) // 8
+    thread = 32 * warp + 4 * g + (j % 8) // 2
+    return np.stack([thread, 4 * (j // 8) + half + 2 * (j % 2)], -1)
+
+
+register("accumulator_register", Exercise(
+    12, "accumulator_register(i (n,), j (n,)) -> int array (n, 2): the "
+    "(thread, register) of the warpgroup holding element (i, j) of a "
+    "m64nN wgmma accumulator",
+    _cases_accumulator, accumulator_register,
+    (("lane = 4 G + t: the row group G picks four consecutive lanes, the "
+      "column pair t one of them", _accumulator_lane_swapped),
+     ("each warp of the warpgroup holds 16 rows: thread 32 (i // 16) + "
+      "lane", _accumulator_no_warp),
+     ("in C, registers 0 and 1 are the column pair of row G and 2, 3 that "
+      "of row G + 8", _accumulator_a_order))))
