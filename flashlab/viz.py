@@ -20,7 +20,9 @@ are the computation's states, never a separate drawing of it.
 - `tile_map`: one static panel of the tiles a mask computes in full, masks
   element by element, or skips (chapter 7);
 - `gpu_hierarchy`, `access_patterns` (with `sectors`, `bank_conflicts`):
-  the execution model and memory rules of the primer before chapter 9.
+  the execution model and memory rules of the primer before chapter 9;
+- `kernel_version` (with `kernel_counts` and the owner maps): the one
+  idea of each forward version of chapter 9, from the kernels' layouts.
 """
 
 from typing import NamedTuple
@@ -1074,7 +1076,7 @@ class KernelCounts(NamedTuple):
     rows: int  # query rows per block (B_r)
     keys: int  # keys per tile (B_c; v1 takes one key at a time)
     threads: int  # threads per block
-    hbm_reads: int  # times the block reads each K/V element from HBM
+    hbm_reads: float  # HBM reads of each K/V element per query row
     loads_s: float  # memory loads per multiply-add of S = Q K^T
     loads_pv: float  # memory loads per multiply-add of P V
     softmax_threads: int  # threads busy with the tile's max, exp and sum
@@ -1093,17 +1095,18 @@ def kernel_counts(version, d=64, d_v=64):
 
     rows, keys, threads = gpu.FORWARDS[version].shape(d, d_v)
     if version == 1:  # each thread its own row, each key from HBM
-        return KernelCounts(rows, 1, threads, rows, 1.0, 1.0, threads, 2)
-    if version == 2:  # K_j, V_j staged once; q and u in registers
-        return KernelCounts(rows, keys, threads, 1, 1.0, 1.0, threads,
+        return KernelCounts(rows, 1, threads, 1.0, 1.0, 1.0, threads, 2)
+    once = 1 / rows  # K_j, V_j staged once per block of rows
+    if version == 2:  # q and u in registers, K_j and V_j in SRAM
+        return KernelCounts(rows, keys, threads, once, 1.0, 1.0, threads,
                             keys + 1)
     tl = device.tiles(d, d_v)
     loads_s = (tl.RM + tl.CN) / (tl.RM * tl.CN)  # RM of Q, CN of K
     loads_pv = (tl.RM + tl.OC) / (tl.RM * tl.OC)  # RM of P, OC of V
     if version == 3:  # one thread per row runs the row's softmax
-        return KernelCounts(rows, keys, threads, 1, loads_s, loads_pv,
+        return KernelCounts(rows, keys, threads, once, loads_s, loads_pv,
                             tl.BR, tl.BC + 1)
-    return KernelCounts(rows, keys, threads, 1, loads_s, loads_pv,
+    return KernelCounts(rows, keys, threads, once, loads_s, loads_pv,
                         threads, tl.RM * tl.CN + tl.RM)
 
 
@@ -1115,7 +1118,7 @@ def _bars(ax, title, pairs, now, log=False):
     ax.barh(labels, values, color=["C0" if label.startswith(now) else "0.6"
                                    for label in labels])
     for y, value in enumerate(values):
-        ax.text(value, y, f" {value:g}", va="center", fontsize=8)
+        ax.text(value, y, f" {value:.3g}", va="center", fontsize=8)
     if log:
         ax.set_xscale("log")
     ax.set_xlim(right=max(values) * (8 if log else 1.35))
@@ -1130,12 +1133,9 @@ def _owner_map(ax, owner, title, xlabel, ylabel, label_every=None):
     shown = np.ma.masked_less(owner, 0)  # -1: no thread (drawn white)
     ax.imshow(shown % 20, cmap=plt.cm.tab20, vmin=0, vmax=19,
               interpolation="nearest", aspect="auto")
-    if label_every:
-        for (r, c), t in np.ndenumerate(owner):
-            if t >= 0 and t in label_every and (
-                    r == 0 or owner[r - 1, c] != t) and (
-                    c == 0 or owner[r, c - 1] != t):
-                ax.text(c, r, str(t), fontsize=6, va="top", ha="left")
+    for t in label_every or ():  # at the thread's first cell
+        r, c = np.argwhere(owner == t)[0]
+        ax.text(c, r, str(t), fontsize=6, va="top", ha="left")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel(xlabel, fontsize=8)
     ax.set_ylabel(ylabel, fontsize=8)
@@ -1200,8 +1200,9 @@ def kernel_version(version, d=64, d_v=64):
                    "owns query row i;\nevery (row, key) cell is a read "
                    "of k_j, v_j from HBM", "key j (first 32)",
                    "query row = thread (first 32)")
-        _bars(axes[1], "reads of each K/V element from HBM,\nper block "
-              f"of {now.rows} rows", [(v, now.hbm_reads)], v)
+        _bars(axes[1], "what thread i keeps in registers (floats)",
+              [(f"{v}: q_i", d), (f"{v}: u_i", d_v), (f"{v}: m_i, l_i", 2)],
+              v)
     elif version == 2:
         owner = stage_owners(now.keys, d, now.threads)
         _owner_map(axes[0], owner, f"K_j in SRAM ({now.keys} keys x {d}):"
@@ -1209,17 +1210,22 @@ def kernel_version(version, d=64, d_v=64):
                    f"{now.threads}, consecutive threads on consecutive "
                    "x", "x (head dimension)", "key in tile",
                    label_every={0, 1, now.threads - 1})
-        _bars(axes[1], "reads of each K/V element from HBM,\nper block "
-              "(log scale)", [(w, before.hbm_reads), (v, now.hbm_reads)],
-              v, log=True)
+        _bars(axes[1], "HBM reads of each K/V element per query row\n"
+              "(log scale)", [(w, before.hbm_reads),
+                              (v, now.hbm_reads)], v, log=True)
     elif version == 3:
+        from flashlab.gpu import device
+
+        tiles = device.tiles(d, d_v)
         _owner_map(axes[0], score_owners(3, d, d_v),
                    f"S_ij ({now.rows} x {now.keys}): thread t computes a "
                    "piece", "key in tile", "query row in block",
                    label_every={0, 1, 8, 127})
         _owner_map(axes[1], output_owners(d, d_v),
-                   "O_i: its rows, every 8th column", "output column",
-                   "", label_every={0, 1})
+                   f"O_i ({now.rows} x {d_v}): the same thread's rows, "
+                   f"every\n{tiles.TX}th column (strided)", "output column",
+                   "",
+                   label_every={0, 1})
         _bars(axes[2], "SRAM loads per multiply-add",
               [(f"{w}, S", before.loads_s), (f"{v}, S", now.loads_s),
                (f"{w}, PV", before.loads_pv), (f"{v}, PV", now.loads_pv)],
@@ -1231,7 +1237,7 @@ def kernel_version(version, d=64, d_v=64):
             _owner_map(ax, owner, f"v{ver}: who exponentiates S_ij\n"
                        f"({busy} of {now.threads} threads busy)",
                        "key in tile", "query row in block" if ver == 3
-                       else "", label_every={0, 1, 8, 127})
+                       else "", label_every={0, 1, 8, busy - 1})
         _bars(axes[2], "softmax of one tile",
               [(f"{w}: busy threads", before.softmax_threads),
                (f"{v}: busy threads", now.softmax_threads),
