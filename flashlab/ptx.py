@@ -95,12 +95,12 @@ def cubin(ptx, cc=(9, 0), max_registers=None):
         return out.read_bytes(), done.stderr
 
 
-def assemble(ptx, cc=(9, 0)):
+def assemble(ptx, cc=(9, 0), max_registers=None):
     """{"regs", "stack", "spill", "serialized"}: registers per thread,
     stack frame and spill-store bytes per thread of PTX text, assembled
     by `ptxas()` for compute capability cc (the same assembler a driver
     runs), and whether ptxas had to wait for each wgmma at once."""
-    log = cubin(ptx, cc)[1]
+    log = cubin(ptx, cc, max_registers)[1]
     regs = re.search(r"Used (\d+) registers", log)
     stack = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores",
                       log)

@@ -9,7 +9,7 @@ without NUMBA_ENABLE_CUDASIM (numba reads that flag once per process).
 import pytest
 
 from flashlab import gpu, ptx
-from flashlab.gpu import backward_v5, forward_v7
+from flashlab.gpu import backward_v5, forward_v7, forward_v8
 
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
 
@@ -104,38 +104,46 @@ def test_counters_on_known_text():
     assert ptx.tensor_ops(text) == 1
 
 
-# forward_v7 (wgmma) is built for sm_90a only, so `report` does not
-# compile it: it is compiled here, in a fresh process as well, and
-# assembled by ptxas for sm_90a
-V7_CASES = (("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
-            ("f16", 64, 64), ("f16", 128, 128))
+# forward_v7 and v8 (wgmma) are built for sm_90a only, so `report` does
+# not compile them: they are compiled here, in a fresh process as well,
+# and assembled by ptxas for sm_90a (v8 with its register cap)
+V7_CASES = tuple((version, *case) for version in (7, 8) for case in (
+    ("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
+    ("f16", 64, 64), ("f16", 128, 128)))
 V7_SCRIPT = """
 import json, sys
 from flashlab import ptx
-from flashlab.gpu import build, forward_v7, launch
+from flashlab.gpu import forward_v7, forward_v8, launch, registry
 out = {}
-for kind, d, dv in json.loads(sys.argv[1]):
-    text = forward_v7.compile_ptx(d, dv, kind)
-    sig = build.signature(f"forward_v5_{kind}")
+for version, kind, d, dv in json.loads(sys.argv[1]):
+    module = forward_v7 if version == 7 else forward_v8
+    spec = registry.get(f"forward_v{version}_{kind}")
+    text = module.compile_ptx(d, dv, kind)
+    sig = registry.argument_types(spec.args)
     plain = text.replace(".target sm_90a", ".target sm_90")
     try:
-        ptx.assemble(plain, (9, 0))
+        ptx.assemble(plain, (9, 0), spec.max_registers)
         sm90 = True
     except RuntimeError:
         sm90 = False
     from cuda.core import Linker, LinkerOptions, ObjectCode
     linker = Linker(ObjectCode.from_ptx(text.encode()),
-                    options=LinkerOptions(arch="sm_90a", verbose=True))
+                    options=LinkerOptions(arch="sm_90a", verbose=True,
+                                          max_register_count=
+                                          spec.max_registers))
     linker.link("cubin")
-    out[f"{kind} {d} {dv}"] = dict(
+    out[f"v{version} {kind} {d} {dv}"] = dict(
         relocatable_serialized="serialized" in linker.get_info_log(),
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
+        tma=text.count("cp.async.bulk.tensor"),
+        copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
+        setmaxnreg=text.count("setmaxnreg"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
         shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
         abi=launch.code_kinds(launch.param_codes(sig))
         == launch.ptx_params(text), sm90=sm90,
-        **ptx.assemble(text, forward_v7.CC))
+        **ptx.assemble(text, forward_v7.CC, spec.max_registers))
 print(json.dumps(out))
 """
 
@@ -162,9 +170,10 @@ def test_v7_products_are_wgmma_from_registers_and_shared(v7_report):
     # m64n<d_v>k16, each issued twice in the text (the first tile before
     # the loop, the last P V after it); no mma.sync left, no float64, no
     # local memory; the tiles are dynamic shared memory, none static
-    assert set(v7_report) == {f"{k} {d} {dv}" for k, d, dv in V7_CASES}
+    assert set(v7_report) == {f"v{v} {k} {d} {dv}"
+                              for v, k, d, dv in V7_CASES}
     for key, r in v7_report.items():
-        d, dv = map(int, key.split()[1:])
+        d, dv = map(int, key.split()[2:])
         bc = forward_v7.BLOCK_K[d]
         assert r["wgmma"] == 2 * (d // 16 + bc // 16), (key, r)
         assert r["mma"] == 0 and r["f64"] == 0 and r["local"] == 0, key
@@ -192,3 +201,21 @@ def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):
         assert not r["stack"] and not r["spill"] and r["regs"] <= 255, (
             key, r)
         assert not r["sm90"], f"{key}: wgmma assembled for plain sm_90"
+
+
+def test_v8_copies_by_tma_and_moves_registers(v7_report):
+    # v7 copies with cp.async and meets at a block barrier per tile; v8's
+    # producer issues TMA boxes (Q, K, V: d / 64 or d_v / 64 each, more in
+    # the text where the compiler copies the loop), the only block
+    # barrier is the one after the mbarriers' set-up, and setmaxnreg
+    # moves registers both ways
+    for key, r in v7_report.items():
+        d, dv = map(int, key.split()[2:])
+        if key.startswith("v7"):
+            assert r["copies"] > 0 and r["tma"] == 0 and r["bars"] >= 3
+            assert r["setmaxnreg"] == 0
+        else:
+            assert r["tma"] >= d // 64 + d // 64 + dv // 64, (key, r)
+            assert r["copies"] == 0 and r["bars"] == 1, (key, r)
+            assert r["setmaxnreg"] == 2, (key, r)
+            assert r["regs"] <= forward_v8.MAX_REGISTERS, (key, r)

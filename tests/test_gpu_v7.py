@@ -23,9 +23,15 @@ from helpers import max_abs_err, qkv
 pytestmark = pytest.mark.gpu
 
 
-def v7_attention(q, k, v, **opts):
-    """(o, lse) of forward_v7 on torch CUDA tensors."""
-    return gpu.attention(q, k, v, version=7, return_lse=True, **opts)
+@pytest.fixture(params=[7, 8])
+def version(request):
+    """Hopper's forwards: v7 (wgmma) and v8 (its warp-specialized form)."""
+    return request.param
+
+
+def hopper(version, q, k, v, **opts):
+    """(o, lse) of forward `version` on torch CUDA tensors."""
+    return gpu.attention(q, k, v, version=version, return_lse=True, **opts)
 
 
 @pytest.fixture(autouse=True)
@@ -59,21 +65,21 @@ def ragged(rng, high):
 @pytest.mark.parametrize("opts", CASES)
 @pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_v7_against_float64(rng, opts, d, d_v, dtype):
+def test_v7_against_float64(version, rng, opts, d, d_v, dtype):
     import torch
 
     nq, nk = ragged(rng, 600), ragged(rng, 600)
     host = qkv(rng, (2, 3), nq, nk, d, d_v, np.float32)
     q, k, v = (torch.tensor(x, device="cuda").to(getattr(torch, dtype))
                for x in host)
-    o, lse = v7_attention(q, k, v, **opts)
+    o, lse = hopper(version, q, k, v, **opts)
     assert o.dtype == q.dtype and o.shape == (2, 3, nq, d_v)
     inputs = [x.double().cpu().numpy() for x in (q, k, v)]
     check(o.double().cpu().numpy(), lse.cpu().numpy(), *inputs,
           np.float16 if dtype == "float16" else dtype, **opts)
 
 
-def test_v7_masks_padding_and_nonfinite(rng):
+def test_v7_masks_padding_and_nonfinite(version, rng):
     import torch
 
     q, k, v = qkv(rng, (2, 1), 130, 200, 64, 64, dtype=np.float16)
@@ -82,7 +88,7 @@ def test_v7_masks_padding_and_nonfinite(rng):
     v[1, 0, 150, 3] = np.inf  # a bad value in V: column 3 NaN
     opts = dict(mask=mask, kv_lengths=np.array([[200], [170]]))
     dev = [torch.tensor(x, device="cuda") for x in (q, k, v)]
-    o, lse = (x.cpu().numpy() for x in v7_attention(*dev, **opts))
+    o, lse = (x.cpu().numpy() for x in hopper(version, *dev, **opts))
     wide = [x.astype(np.float64) for x in (q, k, v)]
     o_ref = reference.attention(*wide, **opts)
     assert np.all(o[0, 0, 7] == 0) and lse[0, 0, 7] == -np.inf
@@ -93,30 +99,30 @@ def test_v7_masks_padding_and_nonfinite(rng):
         o_ref[ok], v[0], UNIT[np.float16])
     q[0, 0, 5, 0] = np.nan  # NaN in q: that row only
     dev[0] = torch.tensor(q, device="cuda")
-    o = v7_attention(*dev)[0].cpu().numpy()
+    o = hopper(version, *dev)[0].cpu().numpy()
     assert np.isnan(o[0, 0, 5]).all() and not np.isnan(o[0, 0, 6]).any()
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True)])
-def test_v7_grouped_heads(rng, opts):
+def test_v7_grouped_heads(version, rng, opts):
     import torch
 
     q, k, v = qkv(rng, (2, 4), 150, 281, 128, 128, dtype=np.float32)
     k, v = k[:, :2], v[:, :2]  # two query heads per K/V head
     dev = [torch.tensor(x, device="cuda").bfloat16() for x in (q, k, v)]
-    o, lse = v7_attention(*dev, **opts)
+    o, lse = hopper(version, *dev, **opts)
     inputs = [x.double().cpu().numpy() for x in dev]
     check(o.double().cpu().numpy(), lse.cpu().numpy(), *inputs,
           "bfloat16", **opts)
 
 
-def test_v7_matches_v5_closely(rng):
+def test_v7_matches_v5_closely(version, rng):
     # same tiles, same softmax: only the products' summation order differs
     import torch
 
     q, k, v = (torch.tensor(x, device="cuda").bfloat16()
                for x in qkv(rng, (2, 2), 333, 517, 128, 128, np.float32))
-    o7 = v7_attention(q, k, v, causal=True)[0].double()
+    o7 = hopper(version, q, k, v, causal=True)[0].double()
     o5 = gpu.attention(q, k, v, causal=True, version=5).double()
     # one bf16 rounding of O apart, at most
     assert float((o7 - o5).abs().max()) <= 2.0**-8 * float(o5.abs().max())

@@ -47,7 +47,7 @@ def test_arch_table_is_what_ptxas_assembles(arch):
     ((7, 5), "float32", 64, 3), ((7, 5), "bfloat16", 64, None),
     ((8, 0), "float32", 64, 6), ((8, 0), "float32", 96, 3),
     ((8, 6), "float16", 128, 5), ((8, 9), "bfloat16", 64, 5),
-    ((9, 0), "bfloat16", 128, 7), ((9, 0), "float16", 64, 7),
+    ((9, 0), "bfloat16", 128, 8), ((9, 0), "float16", 64, 8),
     ((9, 0), "float32", 64, 6), ((9, 0), "bfloat16", 32, None),
 ])
 def test_best_version_per_gpu(cc, dtype, d, want):
@@ -172,7 +172,7 @@ def test_registry_is_the_one_list():
     assert set(gpu.kernel_names()) == {k.name for k in registry.KERNELS
                                        if not k.helper}
     assert gpu.VERSIONS == registry.versions()
-    assert gpu.HALF_VERSIONS == (5, 7) and 6 in gpu.FLOAT32_VERSIONS
+    assert gpu.HALF_VERSIONS == (5, 7, 8) and 6 in gpu.FLOAT32_VERSIONS
     with pytest.raises(ValueError, match="name: expected one of"):
         registry.get("forward_v9")
 

@@ -39,6 +39,7 @@ from flashlab.gpu import (
     forward_v5,
     forward_v6,
     forward_v7,
+    forward_v8,
     launch,
     registry,
     warp,
@@ -51,7 +52,7 @@ __all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
            "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine"]
 
 FORWARDS = {1: forward_v1, 2: forward_v2, 3: forward_v3, 4: forward_v4,
-            5: forward_v5, 6: forward_v6, 7: forward_v7}
+            5: forward_v5, 6: forward_v6, 7: forward_v7, 8: forward_v8}
 VERSIONS = registry.versions()
 FLOAT32_VERSIONS = tuple(  # take float32 inputs
     v for v in VERSIONS

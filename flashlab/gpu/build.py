@@ -48,6 +48,8 @@ def load(name, d, d_v, cc=None):
     dynamic = traits.traits(name, d, d_v).dynamic_shared
     if dynamic:
         loaded.use_shared(dynamic)
+    if spec.derived is not None:
+        loaded.derived = spec.derived(d, d_v)
     return loaded
 
 

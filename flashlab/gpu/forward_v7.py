@@ -141,6 +141,20 @@ def handed_over():
     cuda.syncthreads()
 
 
+def make_to_a(pack, kp_steps):
+    """to_a(pf, sf): P_ij (float32 C fragments sf) rounded by `pack` to
+    the A fragments pf of P V's kp_steps k-steps."""
+
+    @inline
+    def to_a(pf, sf):
+        for kp in range(kp_steps):
+            for x in range(4):
+                n, e = a_from_c(x)
+                pf[kp, x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
+
+    return to_a
+
+
 def make(D, D_V, kind="bf16"):
     """The v7 kernel for head dims D, D_V and 16-bit `kind` (bf16, f16)."""
     pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}[kind]
@@ -169,13 +183,7 @@ def make(D, D_V, kind="bf16"):
     s_wait = wait_for(0, NS * 4)
     o_wait = wait_for(0, NO * 4, KP * 4)  # O, and P (its A operand)
 
-    @inline
-    def to_a(pf, sf):
-        """P_ij (float32 C fragments) -> the A fragments of P V."""
-        for kp in range(KP):
-            for x in range(4):
-                n, e = a_from_c(x)
-                pf[kp, x] = pack(sf[2 * kp + n, e], sf[2 * kp + n, e + 1])
+    to_a = make_to_a(pack, KP)
 
     @cuda.jit
     def forward_v7(q, k, v, o, lse, bad, rules, kv_len, mask):

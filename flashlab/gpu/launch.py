@@ -34,7 +34,7 @@ import os
 import re
 import struct
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -205,6 +205,12 @@ class Packed:
             1, ctypes.addressof(self.buffer), 2,
             ctypes.addressof(self._size), 0)
 
+    def read(self, arg, field):
+        """Value `field` of argument `arg` as packed (an int)."""
+        code = self.kernel.layout.codes[arg][field]
+        return struct.unpack_from("<" + code, self.buffer,
+                                  self.kernel.layout.offset(arg, field))[0]
+
     def point(self, arg, ptr):
         """Set the data pointer of array argument `arg`."""
         struct.pack_into("<Q", self.buffer,
@@ -219,6 +225,8 @@ class Packed:
         """cuLaunchKernel on `stream` (a CUstream handle as an int), with
         the kernel's dynamic shared memory unless `shared` says."""
         shared = self.kernel.shared if shared is None else shared
+        if self.kernel.derived is not None:
+            self.kernel.derived.update(self, stream)
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = ((block,) if isinstance(block, int) else
                       tuple(block)) + (1, 1)
@@ -230,6 +238,15 @@ class Packed:
                                f"CUresult {err}")
 
 
+class Derived(NamedTuple):
+    """Trailing kernel arguments that the kernel's launches compute from
+    the caller's (forward_v8's tensor maps, from q, k and v): callers
+    pass the others, as to any kernel."""
+
+    placeholders: Callable  # () -> values to pack until the first update
+    update: Callable  # (packed, stream) -> None, before every launch
+
+
 class DriverKernel:
     """A kernel loaded through the driver, launched like numba's:
     k[grid, block, stream](*args), or through a reused `Packed`."""
@@ -239,6 +256,7 @@ class DriverKernel:
         self.argtypes = tuple(argtypes)
         self.layout = Layout.of(argtypes)
         self.shared = 0  # dynamic shared memory bytes per block
+        self.derived = None  # a Derived: trailing arguments of its own
 
     def use_shared(self, nbytes):
         """Launch with nbytes of dynamic shared memory per block, allowed
@@ -255,7 +273,9 @@ class DriverKernel:
         self.shared = nbytes
 
     def pack(self, *args):
-        """A `Packed` buffer for these arguments."""
+        """A `Packed` buffer for these arguments (and the derived ones)."""
+        if self.derived is not None:
+            args = (*args, *self.derived.placeholders())
         return Packed(self, args)
 
     def resources(self):

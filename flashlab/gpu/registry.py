@@ -23,6 +23,7 @@ from flashlab.gpu import (
     forward_v5,
     forward_v6,
     forward_v7,
+    forward_v8,
     warp,
 )
 
@@ -51,6 +52,7 @@ class Kernel(NamedTuple):
     helper: bool = False  # an element-wise step around the attention
     max_cc: tuple = None  # the newest one, for architecture-specific PTX
     shared: Callable = None  # dynamic shared bytes per block of (d, d_v)
+    derived: Callable = None  # launch.Derived of (d, d_v): own arguments
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -98,6 +100,13 @@ KERNELS = (
              functools.partial(forward_v7.make, kind=kind), "forward16",
              (dtype,), TENSOR_DIMS, (9, 0), forward_v7.THREADS, version=7,
              max_cc=(9, 0), shared=forward_v7.shared_bytes)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    *(Kernel(f"forward_v8_{kind}",
+             functools.partial(forward_v8.make, kind=kind), "forward16_tma",
+             (dtype,), TENSOR_DIMS, (9, 0), forward_v8.THREADS,
+             max_registers=forward_v8.MAX_REGISTERS, version=8,
+             max_cc=(9, 0), shared=forward_v8.shared_bytes,
+             derived=forward_v8.derived)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # one thread per own row: 64 or 32 by the head dims (backward.sizes)
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
@@ -163,15 +172,15 @@ def versions_for(dtype, d, d_v, cc=None):
 
 def best_version(dtype, d, d_v, cc, simulator=False):
     """The forward `version=None` runs: the fastest one as accurate as
-    float32 arithmetic that the device runs. 16-bit inputs: v7 (wgmma) on
-    Hopper, v5 from compute capability 8.0 on; float32: v6 (3xTF32)
-    there, else v3.
+    float32 arithmetic that the device runs. 16-bit inputs: v8 (wgmma,
+    TMA, warp-specialized) on Hopper, v5 from compute capability 8.0 on;
+    float32: v6 (3xTF32) there, else v3.
     None where no kernel takes `dtype` on this device (16-bit inputs on a
     T4: the caller widens them to float32). The simulator runs no inline
     PTX, so it always gets v3."""
     if simulator:
         return 3 if dtype == "float32" else None
-    for version in (7, 5, 6, 3):
+    for version in (8, 5, 6, 3):
         if version in versions_for(dtype, d, d_v, cc):
             return version
     return None
@@ -203,6 +212,9 @@ def argument_types(args):
         "forward": (a3, a3, a3, a3, a2, *common),
         "forward_bad": (a3, a3, a3, a3, a2, parts, *common),
         "forward16": (h3, h3, h3, int32[:, :, ::1], a2, parts, *common),
+        # and the TMA tensor maps of q, k, v (forward_v8.tensor_maps)
+        "forward16_tma": (h3, h3, h3, int32[:, :, ::1], a2, parts, *common,
+                          uint64[::1]),
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3, *common),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),
         "backward16_dq": (h3, h3, h3, h3, a2, a2, a3, *common),

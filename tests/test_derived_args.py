@@ -1,0 +1,71 @@
+"""Kernel arguments a launch derives from the caller's (launch.Derived):
+forward_v8's tensor maps, made from q, k and v before every launch, so
+its callers pass v5's arguments. No GPU: the driver call is recorded."""
+
+import numpy as np
+import pytest
+from test_launch import FakeDeviceArray
+
+from flashlab.gpu import forward_v8, launch, registry
+
+
+class FakeDriver:
+    """launch._cuda() stand-in: records cuLaunchKernel's calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cuLaunchKernel(self, *args):
+        self.calls.append(args)
+        return 0
+
+
+def test_derived_arguments_are_packed_and_updated_before_each_launch(
+        monkeypatch):
+    from numba import float32, uint64
+
+    seen = []
+
+    def update(packed, stream):
+        # the caller's array, as packed: its pointer and first dim
+        seen.append((packed.read(0, launch.DATA_FIELD),
+                     packed.read(0, launch.DATA_FIELD + 1), stream))
+        packed.point(1, 0x7700 + len(seen))
+
+    kernel = launch.DriverKernel(
+        "k", 0, (float32[:, ::1], uint64[::1]), None)
+    kernel.derived = launch.Derived(
+        lambda: (FakeDeviceArray((48,), np.uint64, 0),), update)
+    driver = FakeDriver()
+    monkeypatch.setattr(launch, "_cuda", lambda: driver)
+    packed = kernel.pack(FakeDeviceArray((5, 3), np.float32, 0x1000))
+    assert packed.read(1, launch.DATA_FIELD) == 0  # the placeholder
+    packed.launch((1,), 32, 9)
+    packed.point(0, 0x2000)  # a plan's next call: new data
+    packed.launch((1,), 32, 9)
+    assert seen == [(0x1000, 5, 9), (0x2000, 5, 9)]
+    assert packed.read(1, launch.DATA_FIELD) == 0x7702
+    assert len(driver.calls) == 2
+    # callers pass one argument fewer than the kernel takes
+    with pytest.raises(TypeError, match="args: expected 2 kernel"):
+        kernel.pack(FakeDeviceArray((5, 3), np.float32, 0x1000),
+                    FakeDeviceArray((48,), np.uint64, 0), 1)
+
+
+def test_v8_is_registered_with_its_maps_derived():
+    # callers pass v5's arguments; the kernel takes one more, the maps
+    for kind in ("bf16", "f16"):
+        spec = registry.get(f"forward_v8_{kind}")
+        v5 = registry.argument_types(registry.get(f"forward_v5_{kind}").args)
+        v8 = registry.argument_types(spec.args)
+        assert v8[:-1] == v5 and str(v8[-1]) == "array(uint64, 1d, C)"
+        assert spec.derived is not None and spec.max_registers == 168
+        assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
+    # registers the producer gives back cover what the consumers take
+    assert (forward_v8.PRODUCER_REGISTERS * 128
+            + forward_v8.CONSUMER_REGISTERS * forward_v8.CONSUMERS
+            <= 65536)
+    assert forward_v8.MAX_REGISTERS * forward_v8.THREADS <= 65536
+    # Q_i, two stages of K and V, the barriers and the alignment fit
+    for d in forward_v8.HEAD_DIMS:
+        assert forward_v8.shared_bytes(d, d) <= 227 * 1024
