@@ -182,3 +182,28 @@ def median_ms(run, reps=20):
 
 if __name__ == "__main__":
     bench(sys.argv[1])
+
+
+def test_v8_tensor_maps_follow_new_tensors_and_reused_slots(rng,
+                                                             monkeypatch):
+    # a ring of two slots: five calls on fresh tensors reuse each slot
+    # twice, and a tensor seen before is found again; every output is
+    # the one its own q, k, v give (v7 reads no tensor maps)
+    import torch
+
+    from flashlab.gpu import forward_v8
+
+    monkeypatch.setattr(forward_v8._Slots, "SLOTS", 2)
+    monkeypatch.setattr(forward_v8, "_SLOTS", [])
+    made = []
+    real = forward_v8.tensor_maps
+    monkeypatch.setattr(forward_v8, "tensor_maps",
+                        lambda *a: made.append(a) or real(*a))
+    calls = [[torch.tensor(x, device="cuda").bfloat16() for x in
+              qkv(rng, (1, 2), n, n + 7, 64, 64, np.float32)]
+             for n in (100, 200, 300, 400, 500)]
+    for q, k, v in calls + calls[-1:]:
+        o8 = gpu.attention(q, k, v, version=8)
+        o7 = gpu.attention(q, k, v, version=7)
+        assert torch.equal(o8, o7)
+    assert len(made) == 5  # the repeated call found its maps

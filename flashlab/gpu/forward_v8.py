@@ -18,8 +18,9 @@ them as the last argument; DriverKernel calls `prepare` before every
 launch, so flashlab.gpu's callers pass v5's arguments. See chapter 12.
 """
 
-from collections import OrderedDict
+import ctypes
 
+import numpy as np
 from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
@@ -229,16 +230,11 @@ def compile_ptx(d, d_v, kind="bf16"):
 
 # the host's side: tensor maps --------------------------------------------
 
-_MAPS = OrderedDict()  # (pointers, shapes, d, d_v) -> device words
-_KEEP = 256  # tensor-map sets kept: a training loop's tensors recur
-
-
 def encode(address, rows, heads, cols, box_rows):
     """The 128-byte TMA tensor map (16 uint64 words) of a (heads, rows,
     cols) array of 16-bit values at `address`: boxes of 64 columns x
     box_rows rows of one head, 128-byte swizzled, rows past the end read
     as zeros."""
-    import numpy as np
     from cuda.bindings import driver
 
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
@@ -253,8 +249,6 @@ def encode(address, rows, heads, cols, box_rows):
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if int(err):
         raise RuntimeError(f"cuTensorMapEncodeTiled: {err}")
-    import ctypes
-
     return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128),
                          np.uint64).copy()
 
@@ -263,52 +257,71 @@ def tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v):
     """The three tensor maps (48 uint64 words) of (bh, nq, d) q at q_at
     and (bh_kv, nk, d / d_v) k and v: Q_i boxes of Br rows, K_j and V_j
     boxes of Bc rows, 64 columns each."""
-    import numpy as np
-
     bc = BLOCK_K[d]
     return np.concatenate([encode(q_at, nq, bh, d, BR),
                            encode(k_at, nk, bh_kv, d, bc),
                            encode(v_at, nk, bh_kv, d_v, bc)])
 
 
-class _Copy:
-    """Tensor maps in device memory, copied on the launch's stream from
-    pinned host memory, which lives as long as the device copy does."""
+class _Slots:
+    """Tensor maps in device memory: a ring of SLOTS sets, each copied on
+    its launch's stream from a pinned host row that stays as it is until
+    the copy has run. A set is made once per pointers and shapes (a
+    training loop's tensors come back at the same addresses), and its
+    slot is reused SLOTS sets later, after its copy has finished. A CUDA
+    graph that captured a launch reads the slot it was given: replay it
+    before SLOTS other sets have been made."""
 
-    def __init__(self, words, stream):
+    SLOTS = 256
+
+    def __init__(self):
         from numba import cuda
 
-        self.host = cuda.pinned_array(words.shape, words.dtype)
-        self.host[:] = words
-        self.device = cuda.device_array(words.shape, words.dtype)
-        on = cuda.external_stream(stream)
-        self.device.copy_to_device(self.host, stream=on)
-        self.done = cuda.event(timing=False)
-        self.done.record(on)
+        self.host = cuda.pinned_array((self.SLOTS, 48), np.uint64)
+        self.device = cuda.device_array((self.SLOTS, 48), np.uint64)
+        self.copied = [None] * self.SLOTS  # each slot's copy event
+        self.keys = [None] * self.SLOTS
+        self.slot_of = {}
+        self.next = 0
+
+    def address(self, key, make, stream):
+        """Device address of the maps of `key`; make() gives their words
+        when they are not here yet."""
+        slot = self.slot_of.get(key)
+        if slot is None:
+            from numba import cuda
+
+            slot, self.next = self.next, (self.next + 1) % self.SLOTS
+            if self.copied[slot] is not None:
+                self.copied[slot].synchronize()  # long done, as a rule
+                del self.slot_of[self.keys[slot]]
+            self.host[slot] = make()
+            on = cuda.external_stream(stream)
+            self.device[slot].copy_to_device(self.host[slot], stream=on)
+            self.copied[slot] = cuda.event(timing=False)
+            self.copied[slot].record(on)
+            self.keys[slot], self.slot_of[key] = key, slot
+        return (self.device.__cuda_array_interface__["data"][0]
+                + slot * 48 * 8)
 
 
-_RETIRED = []  # evicted copies whose copy may still be in flight
+_SLOTS = []  # the one _Slots, made at the first launch
 
 
 def _maps_for(packed, stream):
     """The device address of the tensor maps of the q, k, v packed in
-    `packed` (arguments 0, 1, 2), made once per pointers and shapes."""
+    `packed` (arguments 0, 1, 2)."""
     from flashlab.gpu.launch import DATA_FIELD
 
     fields = [(arg, DATA_FIELD + i) for arg in range(3) for i in range(4)]
     (q_at, bh, nq, d, k_at, bh_kv, nk, _, v_at, _, _, d_v) = (
         packed.read(arg, field) for arg, field in fields)
-    key = (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v)
-    copy = _MAPS.get(key)
-    if copy is None:
-        words = tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v)
-        copy = _MAPS[key] = _Copy(words, stream)
-        if len(_MAPS) > _KEEP:
-            _RETIRED.append(_MAPS.popitem(last=False)[1])
-        _RETIRED[:] = [c for c in _RETIRED if not c.done.query()]
-    else:
-        _MAPS.move_to_end(key)
-    return copy.device.__cuda_array_interface__["data"][0]
+    if not _SLOTS:
+        _SLOTS.append(_Slots())
+    return _SLOTS[0].address(
+        (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v),
+        lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v),
+        stream)
 
 
 def derived(d, d_v):
@@ -316,9 +329,6 @@ def derived(d, d_v):
     from flashlab.gpu.launch import Derived
 
     def placeholders():
-        import numpy as np
-        from numba import cuda
-
         return (cuda.device_array(48, np.uint64),)
 
     def update(packed, stream):
