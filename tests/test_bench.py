@@ -306,7 +306,9 @@ def test_hopper_ladder_changes_one_thing_per_step():
     from flashlab.bench import hopper
     from flashlab.gpu import forward_v7, launch
 
-    switches = [(whole, swizzle) for _, whole, swizzle in hopper.LADDER]
-    assert switches == [(False, False), (True, False), (True, True)]
-    assert switches[-1] == (launch.WHOLE_PROGRAM, forward_v7.SWIZZLE)
+    switches = [(version, whole, swizzle)
+                for _, version, whole, swizzle in hopper.LADDER]
+    assert switches == [(7, False, False), (7, True, False),
+                        (7, True, True), (8, True, True)]
+    assert switches[-1][1:] == (launch.WHOLE_PROGRAM, forward_v7.SWIZZLE)
     compile(hopper._STEP, "ladder step", "exec")

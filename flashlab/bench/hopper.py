@@ -1,17 +1,20 @@
 """Chapter 12's suite: forward v7 on Hopper, and the ladder that built it.
 
-`main` measures the bf16 forward of v5 and v7 against torch's flash and
-cuDNN kernels (tensor.suite's forward cases, hopper.csv), their error
+`main` measures the bf16 forward of v5, v7 and v8 against torch's flash
+and cuDNN kernels (tensor.suite's forward cases, hopper.csv), their error
 against float64 SDPA on the same inputs (hopper.json), and the ladder
-(hopper_ladder.json): v7 built three ways, each in a fresh process with
-a kernel cache of its own, since the switches are read when a kernel is
-built.
+(hopper_ladder.json): v7 built three ways, then v8, each in a fresh
+process with a kernel cache of its own, since the switches are read when
+a kernel is built.
 
 1. assembled by nvJitLink, as numba's own kernels are: relocatable code,
    in which ptxas waits for every wgmma at once (its warning C7509);
 2. assembled whole by ptxas: the products stay asynchronous and the
    softmax runs under P V, tiles still unswizzled core matrices;
-3. tiles 128-byte swizzled: v7 as flashlab runs it.
+3. tiles 128-byte swizzled: v7 as flashlab runs it;
+4. v8: the copies moved to a producer warpgroup (TMA), the tiles handed
+   over on mbarriers instead of a block barrier, registers moved to the
+   consumers by setmaxnreg.
 """
 
 import dataclasses
@@ -24,9 +27,10 @@ import tempfile
 from flashlab.bench import report, runner, tensor
 
 SIZES = (1024, 4096, 16384)
-LADDER = (("nvJitLink: every wgmma waited at once", False, False),
-          ("ptxas, whole: asynchronous wgmma", True, False),
-          ("128-byte swizzled tiles", True, True))
+LADDER = (("nvJitLink: every wgmma waited at once", 7, False, False),
+          ("ptxas, whole: asynchronous wgmma", 7, True, False),
+          ("128-byte swizzled tiles", 7, True, True),
+          ("v8: TMA producer, mbarriers, setmaxnreg", 8, True, True))
 LADDER_SHAPE = (2, 8, 16384)  # B, H, N of every ladder step
 
 _STEP = """
@@ -34,7 +38,7 @@ import json, sys, torch
 from flashlab import gpu
 from flashlab.bench import timing
 from flashlab.gpu import forward_v7, launch
-whole, swizzle, (b, h, n), cases = json.loads(sys.argv[1])
+version, whole, swizzle, (b, h, n), cases = json.loads(sys.argv[1])
 launch.WHOLE_PROGRAM, forward_v7.SWIZZLE = whole, swizzle
 out = []
 for d, causal in cases:
@@ -42,7 +46,7 @@ for d, causal in cases:
     q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g)
                .bfloat16() for _ in range(3))
     ms = timing.gpu_time(lambda: gpu.attention(q, k, v, causal=causal,
-                                               version=7), 10)
+                                               version=version), 10)
     out.append(ms)
 print(json.dumps(out))
 """
@@ -58,7 +62,7 @@ def forward_rows(sizes=SIZES):
 
 def accuracy(n=2048, seed=7):
     """{"v5 d64 full": max |o - float64 SDPA|, ...} on the same bf16
-    inputs (B1 H4) for v5, v7 and torch's flash kernel."""
+    inputs (B1 H4) for v5, v7, v8 and torch's flash kernel."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,7 +79,7 @@ def accuracy(n=2048, seed=7):
                 q.double(), k.double(), v.double(), is_causal=causal)
             got = {f"v{version}": gpu.attention(q, k, v, causal=causal,
                                                 version=version)
-                   for version in (5, 7)}
+                   for version in (5, 7, 8)}
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 got["flash"] = F.scaled_dot_product_attention(
                     q, k, v, is_causal=causal)
@@ -86,15 +90,17 @@ def accuracy(n=2048, seed=7):
 
 
 def ladder(cases=((128, False), (64, False))):
-    """[{step, d, causal, ms, tflops}]: v7 built each way of LADDER."""
+    """[{step, d, causal, ms, tflops}]: each step of LADDER (a version,
+    built whole or not, its tiles swizzled or not)."""
     b, h, n = LADDER_SHAPE
     rows = []
-    for step, whole, swizzle in LADDER:
+    for step, version, whole, swizzle in LADDER:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, FLASHLAB_CACHE_DIR=cache)
             done = subprocess.run(
                 [sys.executable, "-c", _STEP,
-                 json.dumps([whole, swizzle, LADDER_SHAPE, cases])],
+                 json.dumps([version, whole, swizzle, LADDER_SHAPE,
+                             cases])],
                 env=env, capture_output=True, text=True, check=True)
         for (d, causal), ms in zip(cases, json.loads(done.stdout)):
             case = runner.Case("forward", b, h, n, d, causal, (), "", 1)

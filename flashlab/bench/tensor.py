@@ -1,6 +1,6 @@
 """Chapter 10's suite: the tensor-core kernels against torch's.
 
-Per (d, N, causal), B=2, H=8: bf16 forward of v5 (and of v7 on Hopper)
+Per (d, N, causal), B=2, H=8: bf16 forward of v5 (and v7, v8 on Hopper)
 against torch's flash (the baseline) and cuDNN backends (rows left out
 where a build has no cuDNN attention); the bf16 backward of flashlab.torch
 (backward_v5) against torch's flash backward; float32 forward of v6 at
@@ -13,8 +13,8 @@ from flashlab.bench.runner import Case, Suite
 
 SIZES = (1024, 4096, 16384)
 DIMS = (64, 128)
-BF16 = ("flashlab v5 bf16", "flashlab v7 bf16", "torch flash bf16",
-        "torch cudnn bf16")
+BF16 = ("flashlab v5 bf16", "flashlab v7 bf16", "flashlab v8 bf16",
+        "torch flash bf16", "torch cudnn bf16")
 BACKWARD = ("flashlab bf16", "torch flash bf16")
 FLOAT32 = ("flashlab v6 3xtf32", "flashlab v6 tf32", "flashlab v3",
            "torch efficient")
@@ -43,6 +43,7 @@ def suite(sizes=SIZES, dims=DIMS, b=2, h=8, backward_only=False):
     impls = {
         ("forward", "flashlab v5 bf16"): _flashlab(version=5),
         ("forward", "flashlab v7 bf16"): _hopper(_flashlab(version=7)),
+        ("forward", "flashlab v8 bf16"): _hopper(_flashlab(version=8)),
         ("forward", "torch flash bf16"): _sdpa("FLASH_ATTENTION"),
         ("forward", "torch cudnn bf16"): _sdpa("CUDNN_ATTENTION"),
         ("backward", "flashlab bf16"): _backward(None),
@@ -57,7 +58,8 @@ def suite(sizes=SIZES, dims=DIMS, b=2, h=8, backward_only=False):
                  timing.events, columns=report.FIELDS, shown=report.SHOWN,
                  csv="tensor_backward.csv" if backward_only else
                  "tensor.csv",
-                 optional=("torch cudnn bf16", "flashlab v7 bf16"))
+                 optional=("torch cudnn bf16", "flashlab v7 bf16",
+                           "flashlab v8 bf16"))
 
 
 def _inputs(case):
@@ -81,13 +83,13 @@ def _flashlab(**options):
 
 def _hopper(make_call):
     """make_call on Hopper; elsewhere a call that raises RuntimeError, so
-    the runner drops the row (v7's wgmma exists on sm_90a only)."""
+    the runner drops the row (v7's and v8's wgmma exist on sm_90a only)."""
     def make(case, x):
         import torch
 
         if torch.cuda.get_device_capability() != (9, 0):
             def absent():
-                raise RuntimeError("v7 runs on compute capability 9.0")
+                raise RuntimeError("wgmma needs compute capability 9.0")
             return absent
         return make_call(case, x)
     return make
