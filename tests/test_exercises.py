@@ -201,3 +201,57 @@ def test_chapter12_a_near_miss_fails():
                         ("descriptor", sbo_off)):
         with pytest.raises(exercises.ExerciseError, match="compared exactly"):
             exercises.check(name, wrong, seed=0)
+
+
+# Chapters 9 and 10: the GPU exercises' CPU paths.
+
+def test_v2_model_needs_both_barriers():
+    from flashlab.exercises import chapter09
+
+    races = _right("racing_addresses")
+    assert races(chapter09.v2_accesses((True, True))) == set()
+    everything = set(range(2 * 2 * 2))  # K_j and V_j: keys x d each
+    for kept in ((False, True), (True, False)):
+        assert races(chapter09.v2_accesses(kept)) == everything
+
+
+def test_float_bits_shows_what_a_float_zero_does():
+    bits = _right("float_bits")
+    assert bits("F0 + x * y  (F0 = np.float32(0))") == 32
+    assert bits("F0 + x * y  (F0 = 0.0)") == 64
+    assert bits("math.exp(x - y)") == 32 and bits("x + 0.0") == 64
+
+
+def test_importing_the_exercises_leaves_numba_unloaded():
+    import subprocess
+    import sys
+
+    code = ("import sys, flashlab.exercises; "
+            "sys.exit('numba' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_ldmatrix_passes_agree_with_the_primer_bank_model(rng):
+    from flashlab import viz
+
+    passes = _right("ldmatrix_passes")
+    for _ in range(20):
+        rows = 16 * rng.integers(0, 3072, 32)
+        words = (rows[:, None] + 4 * np.arange(4)).reshape(4, 32)  # phases
+        assert passes(rows) == sum(viz.bank_conflicts(w) for w in words)
+
+
+def test_round_toward_zero_keeps_the_float32_at_or_inside_x(rng):
+    from flashlab.exercises.chapter10 import to_float32_rz
+
+    x = np.concatenate([rng.standard_normal(10000) * 10.0 ** rng.integers(
+        -30, 30, 10000), rng.standard_normal(100).astype(np.float32)])
+    y = to_float32_rz(x)
+    assert y.dtype == np.float32
+    assert np.all(np.abs(y.astype(np.float64)) <= np.abs(x))
+    away = np.nextafter(y, np.copysign(np.float32(np.inf), y))
+    assert np.all(np.abs(away.astype(np.float64)) > np.abs(x))
+    exact = x[-100:]  # float32 values stay as they are
+    assert np.array_equal(y[-100:], exact.astype(np.float32))
+    special = to_float32_rz(np.array([np.inf, -np.inf, np.nan, 0.0]))
+    assert np.isinf(special[:2]).all() and np.isnan(special[2])
