@@ -111,7 +111,7 @@ V7_CASES = tuple((version, *case) for version in (7, 8) for case in (
     ("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
     ("f16", 64, 64), ("f16", 128, 128)))
 V7_SCRIPT = """
-import json, re, sys
+import json, sys
 from flashlab import ptx
 from flashlab.gpu import forward_v7, forward_v8, launch, registry
 out = {}
@@ -137,9 +137,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         tma=text.count("cp.async.bulk.tensor"),
-        copies=text.count("cp.async.cg"),
-        bars=len(re.findall(r"bar\\.sync\\s+0;", text)),
-        turns=len(re.findall(r"bar\\.sync\\s+[12],", text)),
+        copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
         setmaxnreg=text.count("setmaxnreg"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
         shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
@@ -209,17 +207,15 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
     # v7 copies with cp.async and meets at a block barrier per tile; v8's
     # producer issues TMA boxes (Q, K, V: d / 64 or d_v / 64 each, more in
     # the text where the compiler copies the loop), the only block
-    # barrier is the one after the mbarriers' set-up, the consumers take
-    # turns on named barriers 1 and 2 (ping-pong), and setmaxnreg moves
-    # registers both ways
+    # barrier is the one after the mbarriers' set-up, and setmaxnreg
+    # moves registers both ways
     for key, r in v7_report.items():
         d, dv = map(int, key.split()[2:])
         if key.startswith("v7"):
             assert r["copies"] > 0 and r["tma"] == 0 and r["bars"] >= 3
-            assert r["setmaxnreg"] == 0 and r["turns"] == 0
+            assert r["setmaxnreg"] == 0
         else:
             assert r["tma"] >= d // 64 + d // 64 + dv // 64, (key, r)
             assert r["copies"] == 0 and r["bars"] == 1, (key, r)
-            assert r["turns"] >= 2, (key, r)
             assert r["setmaxnreg"] == 2, (key, r)
             assert r["regs"] <= forward_v8.MAX_REGISTERS, (key, r)

@@ -9,9 +9,7 @@ v7's consumer warpgroups, 64 query rows each, running v7's pipeline (S
 of the next tile and P V of this one in flight, the softmax under P V)
 but issuing no copies: they wait for a tile's "full" barrier and arrive
 on its "empty" one once their products have read it. No block barrier
-is left in the loop; instead the two consumers take turns to issue
-their products (ping-pong, on two named barriers), so that one's
-softmax runs while the tensor cores work on the other's products.
+is left in the loop, so neither warpgroup waits for the other, and
 `setmaxnreg` gives the producer's registers to the consumers (24 and
 240 a thread where the kernel is built with 168).
 
@@ -27,7 +25,7 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
 from flashlab.gpu import tma
-from flashlab.gpu.device import F0, NEG_INF, inline
+from flashlab.gpu.device import F0, NEG_INF
 from flashlab.gpu.forward_v7 import (
     ALIGN,
     BLOCK_K,
@@ -67,28 +65,6 @@ PANEL = 64  # columns of one TMA box: 128 bytes, the swizzle's width
 
 release = tma.release_registers[PRODUCER_REGISTERS]
 take = tma.take_registers[CONSUMER_REGISTERS]
-# ping-pong: barrier 1 + c is consumer warpgroup c's turn to issue
-turn = [tma.named_barrier(1 + c, CONSUMERS) for c in range(GROUPS)]
-wait_turn_0, give_turn_0 = turn[0]
-wait_turn_1, give_turn_1 = turn[1]
-
-
-@inline
-def my_turn(c):
-    """Wait until consumer warpgroup c may issue its products."""
-    if c == 0:
-        wait_turn_0()
-    else:
-        wait_turn_1()
-
-
-@inline
-def their_turn(c):
-    """Hand the turn to the other consumer warpgroup."""
-    if c == 0:
-        give_turn_1()
-    else:
-        give_turn_0()
 
 
 def shape(d, d_v):
@@ -188,15 +164,9 @@ def make(D, D_V, kind="bf16"):
                                     int32(jt * BC), int32(bk), full)
             return
         take()
-        c = (w - 4) // 4  # which consumer warpgroup
-        # ping-pong: the two issue their products in turn (named barrier
-        # 1 + c is c's turn), so one's softmax runs under the other's
-        # products; the first turn is warpgroup 0's
-        if c == 1 and first <= last:
-            give_turn_0()
         row = i0 + 16 * (w - 4) + lane // 4  # this lane's first row (g)
-        q_desc = uint64(descriptor_128b(q_at + uint32(64 * 128 * c),
-                                        lbo_k, sbo_k))
+        q_desc = uint64(descriptor_128b(
+            q_at + uint32(64 * 128 * ((w - 4) // 4)), lbo_k, sbo_k))
         k_desc = uint64(descriptor_128b(k_at, lbo_k, sbo_k))
         v_desc = uint64(descriptor_128b(v_at, lbo_v, sbo_v))
         k_next = uint64(2 * K_S >> 4)  # descriptor step to the other stage
@@ -211,9 +181,7 @@ def make(D, D_V, kind="bf16"):
         if first <= last:
             tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
             tma.wait(bars + uint32(8 * K_FULL), uint32(0))
-            my_turn(c)
             s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
-            their_turn(c)
             s_wait(sf)
             tma.arrive(bars + uint32(8 * K_EMPTY))
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
@@ -224,11 +192,9 @@ def make(D, D_V, kind="bf16"):
             s, phase = n % 2, (n // 2) % 2
             ps, p_phase = (n - 1) % 2, ((n - 1) // 2) % 2  # tile jt - 1
             tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
-            tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
-            my_turn(c)
             s_issue(sf, q_desc, k_desc + k_next * uint64(s))  # S_{i,j}
+            tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
             o_issue(of, pf, v_desc + v_next * uint64(ps))  # += P V_{j-1}
-            their_turn(c)
             s_wait_one(sf)
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
             # the softmax of tile jt while P V of tile jt - 1 runs
@@ -242,10 +208,7 @@ def make(D, D_V, kind="bf16"):
             n = last - first
             tma.wait(bars + uint32(8 * (V_FULL + n % 2)),
                      uint32((n // 2) % 2))
-            my_turn(c)
             o_issue(of, pf, v_desc + v_next * uint64(n % 2))
-            if c == 0:  # warpgroup 1's last turn follows; none after it
-                their_turn(c)
             o_wait(of, pf)
         store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
 

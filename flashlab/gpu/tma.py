@@ -89,13 +89,3 @@ release_registers = {n: _statement(
     f"setmaxnreg.dec.sync.aligned.u32 {n};", ()) for n in (24, 32, 40)}
 take_registers = {n: _statement(
     f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (232, 240)}
-
-
-def named_barrier(i, n):
-    """(sync, arrive) on named barrier i (1..15; 0 is the block's own) of
-    n threads: sync() waits until n threads have reached it, counting
-    itself; arrive() counts this thread there and goes on. The id and
-    the count are in the instruction, so ptxas reserves this barrier
-    alone."""
-    return (_statement(f"bar.sync {i}, {n};", ()),
-            _statement(f"bar.arrive {i}, {n};", ()))
