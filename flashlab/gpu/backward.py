@@ -2,9 +2,12 @@
 
 Two kernels without atomics, so the gradients are bitwise identical from
 run to run (chapter 8's recomputation: S and P are rebuilt from Q, K and
-the saved lse, never stored). For head dims up to BLOCKED_MAX_DIM they are
-register blocked like forward v4; larger head dims use one thread per key
-or query row. `device.row_dot` computes D_i = rowsum(dO_i * O_i) first.
+the rows' statistics, never stored). `stats` is the saved lse (BH, Nq),
+or `device.row_statistics`' shifts and norms (2 BH, Nq), P = exp(S -
+shift) norm, which stay exact where lse = m + log l lost log l. For head
+dims up to BLOCKED_MAX_DIM they are register blocked like forward v4;
+larger head dims use one thread per key or query row. `device.row_dot`
+computes D_i = rowsum(dO_i * O_i) first.
 """
 
 from numba import cuda, float32
@@ -19,6 +22,7 @@ from flashlab.gpu.device import (
     output_piece,
     pair_grads,
     place,
+    row_norm,
     score_piece,
     stage,
     stage_stats,
@@ -40,13 +44,15 @@ def make_kv(D, D_V):
     DP, D_VP = D + 1, D_V + 1  # padded own rows: conflict-free reads
 
     @cuda.jit
-    def backward_kv(q, k, v, do, lse, delta, dk, dv, rules, kv_len, mask):
+    def backward_kv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
+                    mask):
         k_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
         v_s = cuda.shared.array((NT, D_VP), float32)
         q_s = cuda.shared.array((CH, D), float32)
         do_s = cuda.shared.array((CH, D_V), float32)
-        lse_s = cuda.shared.array(CH, float32)
-        dl_s = cuda.shared.array(CH, float32)
+        sh_s = cuda.shared.array(CH, float32)  # shift_i
+        nm_s = cuda.shared.array(CH, float32)  # norm_i
+        dl_s = cuda.shared.array(CH, float32)  # D_i
         dk_j = cuda.local.array(D, float32)
         dv_j = cuda.local.array(D_V, float32)
         pk = cuda.local.array(D, float32)  # this chunk's share, summed
@@ -70,8 +76,8 @@ def make_kv(D, D_V):
             cuda.syncthreads()  # the previous chunk is no longer read
             stage(q_s, q, b, i0, CH, D, rules.scale, t, NT)
             stage(do_s, do, b, i0, CH, D_V, F1, t, NT)
-            stage_stats(lse_s, dl_s, lse, delta, b, i0, CH, t)
-            cuda.syncthreads()  # the chunk of Q, dO, lse, D is loaded
+            stage_stats(sh_s, nm_s, dl_s, stats, delta, b, i0, CH, t)
+            cuda.syncthreads()  # the chunk of Q, dO and its statistics
             for x in range(D):
                 pk[x] = F0
             for x in range(D_V):
@@ -85,8 +91,8 @@ def make_kv(D, D_V):
                 dp = F0
                 for x in range(D_V):
                     dp += do_s[r, x] * v_s[t, x]
-                pz, ds = pair_grads(b, i0 + r, j, nq, nk, s, dp, lse_s[r],
-                                    dl_s[r], rules, kv_len, mask)
+                pz, ds = pair_grads(b, i0 + r, j, nq, nk, s, dp, sh_s[r],
+                                    nm_s[r], dl_s[r], rules, kv_len, mask)
                 for x in range(D_V):
                     pvv[x] += pz * do_s[r, x]
                 for x in range(D):
@@ -110,7 +116,7 @@ def make_q(D, D_V):
     DP, D_VP = D + 1, D_V + 1  # padded own rows: conflict-free reads
 
     @cuda.jit
-    def backward_q(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
+    def backward_q(q, k, v, do, stats, delta, dq, rules, kv_len, mask):
         q_s = cuda.shared.array((NT, DP), float32)  # own rows, padded
         do_s = cuda.shared.array((NT, D_VP), float32)
         k_s = cuda.shared.array((CH, D), float32)
@@ -129,7 +135,8 @@ def make_q(D, D_V):
             dq_i[x] = F0
         for x in range(D_V):
             do_s[t, x] = do[b, i, x] if i < nq else F0
-        lse_i = lse[b, i] if i < nq else NEG_INF
+        sh_i = stats[b, i] if i < nq else NEG_INF
+        nm_i = row_norm(stats, q.shape[0], b, i) if i < nq else F0
         d_i = delta[b, i] if i < nq else F0
         for j0 in range(0, nk, CH):
             if tile_skipped(i0, i1, j0, min(j0 + CH, nk), rules, kv_len[b]):
@@ -149,8 +156,8 @@ def make_q(D, D_V):
                 dp = F0
                 for x in range(D_V):
                     dp += do_s[t, x] * v_s[c, x]
-                _, ds = pair_grads(b, i, j0 + c, nq, nk, s, dp, lse_i, d_i,
-                                   rules, kv_len, mask)
+                _, ds = pair_grads(b, i, j0 + c, nq, nk, s, dp, sh_i, nm_i,
+                                   d_i, rules, kv_len, mask)
                 for x in range(D):
                     pq[x] += ds * rules.scale * k_s[c, x]
             for x in range(D):
@@ -179,16 +186,17 @@ def make_kv_blocked(D, D_V):
     DP, D_VP, BQP = D + 1, D_V + 1, BQ + 1
 
     @cuda.jit
-    def backward_kv_blocked(q, k, v, do, lse, delta, dk, dv, rules, kv_len,
-                            mask):
+    def backward_kv_blocked(q, k, v, do, stats, delta, dk, dv, rules,
+                            kv_len, mask):
         k_s = cuda.shared.array((BK, DP), float32)
         v_s = cuda.shared.array((BK, D_VP), float32)
         q_s = cuda.shared.array((BQ, DP), float32)
         do_s = cuda.shared.array((BQ, D_VP), float32)
         pt_s = cuda.shared.array((BK, BQP), float32)  # (P Z)^T
         dst_s = cuda.shared.array((BK, BQP), float32)  # dS^T
-        lse_s = cuda.shared.array(BQ, float32)
-        dl_s = cuda.shared.array(BQ, float32)
+        sh_s = cuda.shared.array(BQ, float32)  # shift_i
+        nm_s = cuda.shared.array(BQ, float32)  # norm_i
+        dl_s = cuda.shared.array(BQ, float32)  # D_i
         s = cuda.local.array((RM, CN), float32)
         dp = cuda.local.array((RM, CN), float32)
         qa = cuda.local.array(RM, float32)
@@ -217,7 +225,7 @@ def make_kv_blocked(D, D_V):
             cuda.syncthreads()  # the previous chunk is no longer read
             stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
             stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
-            stage_stats(lse_s, dl_s, lse, delta, b, i0, BQ, t)
+            stage_stats(sh_s, nm_s, dl_s, stats, delta, b, i0, BQ, t)
             cuda.syncthreads()  # K_j, V_j and this chunk are in SRAM
             score_piece(s, qa, k_s, q_s, ty * RM, tx * CN, RM, CN, D)
             score_piece(dp, qa, v_s, do_s, ty * RM, tx * CN, RM, CN, D_V)
@@ -227,7 +235,7 @@ def make_kv_blocked(D, D_V):
                     col = tx * CN + c  # query in the chunk
                     pt_s[r, col], dst_s[r, col] = pair_grads(
                         b, i0 + col, j0 + r, nq, nk, s[a, c], dp[a, c],
-                        lse_s[col], dl_s[col], rules, kv_len, mask)
+                        sh_s[col], nm_s[col], dl_s[col], rules, kv_len, mask)
             cuda.syncthreads()  # (P Z)^T and dS^T complete
             output_piece(acc_v, pvv, vv, ones, pt_s, do_s, ty * RM, tx, RM,
                           OV, BQ, TX)
@@ -259,14 +267,16 @@ def make_q_blocked(D, D_V):
     DP, D_VP, BKP = D + 1, D_V + 1, BK + 1
 
     @cuda.jit
-    def backward_q_blocked(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
+    def backward_q_blocked(q, k, v, do, stats, delta, dq, rules, kv_len,
+                           mask):
         q_s = cuda.shared.array((BQ, DP), float32)
         do_s = cuda.shared.array((BQ, D_VP), float32)
         k_s = cuda.shared.array((BK, DP), float32)
         v_s = cuda.shared.array((BK, D_VP), float32)
         ds_s = cuda.shared.array((BQ, BKP), float32)
-        lse_s = cuda.shared.array(BQ, float32)
-        dl_s = cuda.shared.array(BQ, float32)
+        sh_s = cuda.shared.array(BQ, float32)  # shift_i
+        nm_s = cuda.shared.array(BQ, float32)  # norm_i
+        dl_s = cuda.shared.array(BQ, float32)  # D_i
         s = cuda.local.array((RM, CN), float32)
         dp = cuda.local.array((RM, CN), float32)
         qa = cuda.local.array(RM, float32)
@@ -283,7 +293,7 @@ def make_q_blocked(D, D_V):
         fill(acc, F0, RM, OQ)
         stage(q_s, q, b, i0, BQ, D, rules.scale, t, THREADS)
         stage(do_s, do, b, i0, BQ, D_V, F1, t, THREADS)
-        stage_stats(lse_s, dl_s, lse, delta, b, i0, BQ, t)
+        stage_stats(sh_s, nm_s, dl_s, stats, delta, b, i0, BQ, t)
         for j0 in range(0, nk, BK):
             j1 = min(j0 + BK, nk)
             if tile_skipped(i0, i1, j0, j1, rules, kv):
@@ -299,8 +309,8 @@ def make_q_blocked(D, D_V):
                 for c in range(CN):
                     col = tx * CN + c  # key in the chunk
                     _, ds = pair_grads(b, i0 + r, j0 + col, nq, nk, s[a, c],
-                                       dp[a, c], lse_s[r], dl_s[r], rules,
-                                       kv_len, mask)
+                                       dp[a, c], sh_s[r], nm_s[r], dl_s[r],
+                                       rules, kv_len, mask)
                     ds_s[r, col] = ds * rules.scale
             cuda.syncthreads()  # tau dS_ij complete
             output_piece(acc, pq, vq, ones, ds_s, k_s, ty * RM, tx, RM, OQ,

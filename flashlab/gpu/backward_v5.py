@@ -29,6 +29,7 @@ from flashlab.gpu.device import (
     F0,
     NEG_INF,
     inline,
+    statistics_kernel,
     tile_full,
     tile_skipped,
 )
@@ -43,6 +44,8 @@ from flashlab.gpu.intrinsics import (
     pack_bf16x2,
     pack_f16x2,
     shared_address,
+    unpack_bf16x2,
+    unpack_f16x2,
 )
 from flashlab.gpu.warp import (
     BR,
@@ -65,6 +68,24 @@ from flashlab.gpu.warp import (
 BC = BR  # keys per block (dK, dV) and per K/V tile (dQ)
 ROWS = BR  # the same as a literal for shared arrays
 HEAD_DIMS = (64, 128)  # as forward v5
+
+
+def _load16(unpack):
+    """Element c of row i of x[b], x holding 16-bit values as int16 bits,
+    widened to float32 by the kind's `unpack` (exact)."""
+
+    @cuda.jit(device=True)
+    def load(x, b, i, c):
+        lo, _ = unpack(int32(x[b, i, c]) & int32(0xFFFF))
+        return lo
+
+    return load
+
+
+# device.row_statistics of 16-bit q, k (int16 bits), with S = tau (Q K^T)
+# as these kernels form it: the shifts and norms they take
+row_statistics_bf16 = statistics_kernel(_load16(unpack_bf16x2), False)
+row_statistics_f16 = statistics_kernel(_load16(unpack_f16x2), False)
 
 
 def parts(kernel, d, d_v):

@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import config, cuda, uint64
+from numba import config, cuda, float32, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
 
@@ -115,15 +115,17 @@ def fill(a, value, rows, cols):
 
 
 @cuda.jit(device=True)
-def pair_grads(b, i, j, nq, nk, s, dp, lse_i, d_i, rules, kv_len, mask):
+def pair_grads(b, i, j, nq, nk, s, dp, shift_i, norm_i, d_i, rules, kv_len,
+               mask):
     """(P_ij Z_ij, dS_ij) for one pair, recomputed; (0, 0) if masked.
 
-    P = exp(S - lse) from the saved row lse, Z the dropout weight, and
+    P = exp(S - shift) norm from the row's statistics (`row_statistics`:
+    the saved lse and 1 where that is exact), Z the dropout weight, and
     dS = P (dP Z - D_i) with D_i = rowsum(dO_i * O_i). See chapter 8.
     """
     if not allowed(b, i, j, nq, nk, rules, kv_len, mask):
         return F0, F0
-    p = row_probability(s, lse_i, rules.lowest)
+    p = row_probability(s, shift_i, rules.lowest) * norm_i
     z = dropout_weight(b, i, j, rules)
     return p * z, p * (dp * z - d_i)
 
@@ -143,12 +145,23 @@ def stage(dst, src, b, r0, rows, cols, scale, t, nthreads):
 
 
 @cuda.jit(device=True)
-def stage_stats(lse_s, dl_s, lse, delta, b, i0, rows, t):
-    """HBM -> SRAM: lse_i and D_i of rows i0..i0 + rows - 1 (threads t <
-    rows); -inf and 0 past the end, so masked-out rows contribute 0."""
+def row_norm(stats, bh, b, i):
+    """norm_i of row i of query head b (of bh): the second half of stats
+    where the caller passed `row_statistics`' (2 BH, Nq), else 1 (stats
+    is then the saved lse itself, (BH, Nq))."""
+    return stats[bh + b, i] if stats.shape[0] > bh else F1
+
+
+@cuda.jit(device=True)
+def stage_stats(sh_s, nm_s, dl_s, stats, delta, b, i0, rows, t):
+    """HBM -> SRAM: shift_i, norm_i and D_i of rows i0..i0 + rows - 1
+    (threads t < rows); -inf, 0 and 0 past the end, so rows past Nq
+    contribute 0."""
     if t < rows:
-        inside = i0 + t < lse.shape[1]
-        lse_s[t] = lse[b, i0 + t] if inside else NEG_INF
+        inside = i0 + t < delta.shape[1]
+        sh_s[t] = stats[b, i0 + t] if inside else NEG_INF
+        nm_s[t] = row_norm(stats, delta.shape[0], b, i0 + t) if inside \
+            else F0
         dl_s[t] = delta[b, i0 + t] if inside else F0
 
 
@@ -280,6 +293,72 @@ def row_dot(do, o, delta):
         for x in range(o.shape[2]):
             acc += do[b, i, x] * o[b, i, x]
         delta[b, i] = acc
+
+
+# From this |lse| on, lse = m + log l keeps too few digits of log l for
+# exp(S - lse) to be P (merge.lse_loses_l): the row needs its own m and l
+LSE_EXACT = np.float32(merge.LSE_EXACT)
+
+
+@cuda.jit(device=True)
+def lse_loses_l(lse_i):
+    """merge.lse_loses_l for one row's saved lse, in float32."""
+    return math.isfinite(lse_i) and abs(lse_i) >= LSE_EXACT
+
+
+@cuda.jit(device=True)
+def _load32(q, b, i, x):
+    """Element x of row i of q[b], float32 values."""
+    return q[b, i, x]
+
+
+def statistics_kernel(load=_load32, prescale=True):
+    """row_statistics reading q and k through `load` (float32 values, or
+    a 16-bit kind's element of int16 bits) and forming S as the backward
+    does: tau Q K^T (prescale, float32 kernels) or tau (Q K^T) (the
+    tensor-core kernels)."""
+
+    @cuda.jit
+    def row_statistics(q, k, lse, stats, rules, kv_len, mask):
+        """stats (2 BH, Nq): shifts, then norms, with P = exp(S - shift)
+        norm for the backward kernels. One thread per row of q (BH, Nq,
+        d); lse (BH, Nq) as the forward saved it.
+
+        Where lse holds P exactly (every row, usually: one read, two
+        writes) they are (lse, 1); where it does not (`lse_loses_l`: huge
+        equal scores, scores near -finfo.max) they are the row's own max
+        and 1 / sum, found by a pass over its scores without V, as
+        tiled.row_statistics does. See chapter 8.
+        """
+        b = cuda.blockIdx.y
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        bh, nq = lse.shape
+        nk, d = k.shape[1], k.shape[2]
+        if i >= nq:
+            return
+        shift, norm = lse[b, i], F1
+        if lse_loses_l(shift):
+            bk = b // rules.group  # the K/V head of query head b
+            tau = rules.scale if prescale else F1
+            m, l = NEG_INF, F0
+            for j in range(nk):
+                if allowed(b, i, j, nq, nk, rules, kv_len, mask):
+                    s = F0
+                    for x in range(d):  # q_i stays in L1: rare rows
+                        s += load(q, b, i, x) * tau * load(k, bk, j, x)
+                    if not prescale:
+                        s *= rules.scale
+                    # the row's merge, one key at a time
+                    m, sh, alpha = row_step(m, s, rules.lowest)
+                    l = alpha * l + float32(math.exp(s - sh))
+            shift, norm = m, F1 / l  # l >= 1: the max's own term
+        stats[b, i] = shift
+        stats[bh + b, i] = norm
+
+    return row_statistics
+
+
+row_statistics = statistics_kernel()
 
 
 @cuda.jit

@@ -140,6 +140,14 @@ KERNELS = (
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),
+    # the backward's row statistics (shift, norm of P; exact where lse
+    # lost log l), one per backward's way of forming S
+    Kernel("row_statistics", _fixed(device.row_statistics),
+           "row_statistics", _F32, **_HELPER),
+    *(Kernel(f"row_statistics_{kind}",
+             _fixed(getattr(backward_v5, f"row_statistics_{kind}")),
+             "row_statistics16", (dtype,), **_HELPER)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
 )
 BY_NAME = {k.name: k for k in KERNELS}
 
@@ -226,5 +234,7 @@ def argument_types(args):
         "find_parts": (a3, parts, int64),
         "find_parts16": (h3, parts, int64),
         "finish": (a3, a2, b2, b2),
+        "row_statistics": (a3, a3, a2, a2, *common),
+        "row_statistics16": (h3, h3, a2, a2, *common),
     }
     return lists[args]

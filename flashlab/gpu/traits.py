@@ -48,7 +48,8 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
            "find_parts": ("parts",), "find_parts16": ("parts",),
-           "finish": ("o", "lse")}
+           "finish": ("o", "lse"), "row_statistics": ("stats",),
+           "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
 
 
