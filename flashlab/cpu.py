@@ -98,7 +98,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     log2e = q3.dtype.type(_LOG2E)  # of the kernels' dtype
     delta = (do3 * o.reshape(bh, plan.nq, d_v)).sum(axis=-1)  # D_i (BH, Nq)
     # dK, dV per query head; a K/V head's is the sum over its group
-    dq = np.empty_like(q3)
+    dq = np.empty(q3.shape, q3.dtype)  # q3 may be a stride-0 broadcast
     dk, dv = (np.empty((bh, *x.shape[1:]), x.dtype) for x in (k3, v3))
     q3, k3, v3 = (np.ascontiguousarray(x) for x in (q3, k3, v3))
     with blas.one_thread():
@@ -119,6 +119,25 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
               for x in (dk, dv))
     return (dq.reshape(np.shape(q)), dk.reshape(np.shape(k)),
             dv.reshape(np.shape(v)))
+
+
+def unsupported(q_shape, k_shape, v_shape, *, mask=None, order="fa2",
+                num_splits=1):
+    """Why these kernels cannot run a call (a sentence), or None if they
+    can: the callers that also have flashlab.tiled choose by it."""
+    if order not in ORDERS:
+        return f"order {order!r}: the kernels run the FA2 loop order only"
+    if num_splits != 1:
+        return "num_splits: the kernels run one pass over the keys"
+    try:
+        kernel_args.kernel_group(q_shape, k_shape, v_shape)
+    except ValueError:
+        return "k, v: a broadcast the kernels do not index"
+    if mask is not None and np.asarray(mask).dtype.kind == "f":
+        m = np.asarray(mask)
+        if not np.all((m == 0) | np.isneginf(m)):  # NaN too: it must show
+            return "mask: a float mask that adds to the scores"
+    return None
 
 
 def products_only(q, k, v, *, causal=False, block_q=None, block_k=None):

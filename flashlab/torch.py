@@ -4,8 +4,9 @@ The forward and the backward are two opaque ops (torch.library
 custom_op, flashlab::attention and flashlab::attention_backward) with
 fake implementations for shapes and an autograd formula, so
 torch.compile(model, fullgraph=True) keeps them whole in its graph and
-CUDA graphs capture them. CPU tensors (float32, float64) run the tiled
-numpy path, CUDA tensors the kernels of flashlab.gpu in place, launched
+CUDA graphs capture them. CPU tensors (float32, float64) run the numba
+kernels of flashlab.cpu (the tiled numpy path where they cannot, see
+`_cpu_backend`), CUDA tensors the kernels of flashlab.gpu in place, launched
 through the driver on torch's current stream: float32 on v6 (3xTF32),
 bf16 and float16 on the tensor cores (v5, and backward_v5 for the
 gradients). The forward saves q, k, v, o and the row log-sum-exp only;
@@ -55,9 +56,21 @@ def _forward(q, k, v, mask, kv_lengths, seed, options):
 
         return gpu.attention(q, k, v, return_lse=True, num_splits=splits,
                              **kw)
-    o, lse = tiled.attention(*_numpy(q, k, v), return_lse=True,
-                             num_splits=splits, **kw)
+    o, lse = _cpu_backend(q, k, v, kw, splits).attention(
+        *_numpy(q, k, v), return_lse=True, num_splits=splits, **kw)
     return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+def _cpu_backend(q, k, v, kw, num_splits=1):
+    """flashlab.cpu (the numba kernels) for a CPU call they can run;
+    flashlab.tiled, the numpy program, for the rest: float masks that add
+    to the scores (the kernels only allow or refuse a pair), the FA1
+    order and split-KV (the kernels run FA2's order in one pass)."""
+    from flashlab import cpu  # numba loads with the first CPU call
+
+    why = cpu.unsupported(q.shape, k.shape, v.shape, mask=kw["mask"],
+                          order=kw["order"], num_splits=num_splits)
+    return tiled if why else cpu
 
 
 @attention_op.register_fake
@@ -97,7 +110,9 @@ def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
         grads = gpu.attention_backward(*saved, **kw)
         return tuple(g if g.dtype == x.dtype else g.to(x.dtype)
                      for g, x in zip(grads, (q, k, v)))
-    grads = tiled.attention_backward(*_numpy(q, k, v, o, lse, do), **kw)
+    # the backward has one loop order for both forward orders
+    backend = _cpu_backend(q, k, v, dict(kw, order="fa2"))
+    grads = backend.attention_backward(*_numpy(q, k, v, o, lse, do), **kw)
     return tuple(torch.from_numpy(g) for g in grads)
 
 

@@ -200,3 +200,16 @@ def test_backward_of_huge_scores_float64(rng, opts):
                     want):
         assert np.isfinite(g).all()
         assert _relative(g, w) < 1e-12  # float64: sums of Nk terms
+
+
+def test_backward_of_stride_zero_broadcast_inputs(rng):
+    # q and k broadcast over a batch dim by np.broadcast_to (stride 0, as
+    # torch's expand hands them over): dq must not inherit the stride
+    q, k, v = qkv(rng, (), 5, 6, 4, 3)
+    v = rng.standard_normal((3, 6, 3))
+    q3, k3 = np.broadcast_to(q, (3, 5, 4)), np.broadcast_to(k, (3, 6, 4))
+    do = rng.standard_normal((3, 5, 3))
+    o, lse = cpu.attention(q3, k3, v, return_lse=True)
+    want = _reference_grads(q3, k3, v, do)
+    for g, w in zip(cpu.attention_backward(q3, k3, v, o, lse, do), want):
+        assert max_abs_err(g, w) < 1e-12
