@@ -1,0 +1,951 @@
+"""The host side of flashlab.gpu: `attention`, `attention_backward` and
+`combine`, with the keywords of `tiled.attention`.
+
+A call checks its arrays and options once, picks the version the device
+runs (`registry.best_version`) and launches the kernels with the tiles
+and threads of their traits (`traits`). `_Call` holds one call's
+arrays; a tensor-core call on torch tensors of a shape seen before runs
+a prepared plan (`_ForwardPlan`, `_BackwardPlan`) with no checks and no
+numba dispatch. flashlab.gpu re-exports the public names. See chapters
+9 to 11.
+"""
+
+import math
+import numbers
+
+import numpy as np
+
+from flashlab import kernel_args, tiled
+from flashlab._validate import check_flag
+from flashlab.gpu import (
+    _numpy_compat,  # noqa: F401  (before any kernel)
+    backward,
+    backward_v5,
+    device,
+    forward_v3,
+    forward_v6,
+    launch,
+    registry,
+    traits,
+    warp,
+)
+from flashlab.gpu.build import kernel
+
+VERSIONS = registry.versions()
+FORWARDS = {v: traits.module_of(registry.forwards(v)[0])  # the modules
+            for v in VERSIONS}
+FLOAT32_VERSIONS = tuple(  # take float32 inputs
+    v for v in VERSIONS
+    if any("float32" in k.dtypes for k in registry.forwards(v)))
+HALF_VERSIONS = tuple(  # take bf16 or float16 inputs
+    v for v in VERSIONS
+    if any("bfloat16" in k.dtypes for k in registry.forwards(v)))
+TENSOR_CORE_VERSIONS = tuple(  # inline PTX: a GPU, never the simulator
+    v for v in VERSIONS
+    if registry.forwards(v)[0].min_cc >= registry.MMA_CC)
+SPLIT_VERSIONS = (3,)  # take num_splits > 1 (split-KV), or "auto"
+PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
+DEFAULT_VERSION = 3  # float32 without tensor cores (bench_h200, simulator)
+ORDERS = ("fa2",)  # the loop order the forward kernels run
+# 16-bit storage: (exponent bits, a NaN's bits) per dtype name
+HALF_BITS = {"bfloat16": (0x7F80, 0x7FC0), "float16": (0x7C00, 0x7E00)}
+
+
+def _poisoned():
+    """Whether tests asked for outputs filled with NaN before a kernel
+    runs (flashlab.gpu.POISON_OUTPUTS, which they set on the package)."""
+    from flashlab import gpu
+
+    return gpu.POISON_OUTPUTS
+
+
+def tile_shape(version, d, d_v):
+    """(Br, Bc) of forward `version` for head dims d, d_v."""
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS}, got "
+                         f"{version!r}")
+    return traits.forward(version, d, d_v).tile
+
+
+def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
+              causal=False, mask=None, window=None, kv_lengths=None,
+              dropout_p=0.0, seed=None, return_lse=False, order="fa2",
+              num_splits=1, version=None, precision=None, align=None):
+    """GPU attention. q (..., Nq, d), k (..., Nk, d), v (..., Nk, dv).
+
+    Keywords as tiled.attention. Arrays may be torch CUDA tensors (used in
+    place), numba device arrays, or numpy arrays (copied over and back);
+    the result is of the same kind and dtype, lse float32. version None
+    picks v5 for bf16/float16 and, for float32, v6 (3xTF32: float32
+    accuracy on the tensor cores, 2-3x v3 on the H200) where it runs,
+    else DEFAULT_VERSION; precision ("3xtf32" or "tf32") belongs to v6.
+    num_splits > 1 (or "auto": `choose_splits`) runs split-KV, on v3.
+    Each version fixes its tile sizes
+    (`tile_shape`): block_q and block_k may only restate them.
+    """
+    options = dict(block_q=block_q, block_k=block_k, scale=scale,
+                   causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, align=align)
+    fast = _fast_key(q, k, v, (version, precision, order, num_splits),
+                     options)
+    plan = _plans.get(fast) if fast is not None else None
+    if plan is not None:  # checked when the plan was made: same key
+        o, lse = plan(q, k, v, seed)
+        return (o, lse) if return_lse is True else o
+    tiled.check_order(order, ORDERS)
+    return_lse = check_flag("return_lse", return_lse)
+    d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    version = _check_version(version, dtype, d, d_v)
+    if version is None:  # 16-bit inputs on a GPU without bf16 mma
+        return _widened(attention, (q, k, v), dtype, return_lse,
+                        block_q=block_q, block_k=block_k, scale=scale,
+                        causal=causal, mask=mask, window=window,
+                        kv_lengths=kv_lengths, dropout_p=dropout_p,
+                        seed=seed, return_lse=return_lse, order=order,
+                        num_splits=num_splits, version=DEFAULT_VERSION,
+                        align=align)
+    if fast is not None and version in TENSOR_CORE_VERSIONS \
+            and num_splits == 1:
+        plan = _plans[fast] = _ForwardPlan(
+            q, k, v, version, dtype, precision, dict(
+                scale=scale, causal=causal, mask=None, window=window,
+                kv_lengths=None, dropout_p=dropout_p, seed=seed,
+                align=align), block_q, block_k)
+        o, lse = plan(q, k, v, seed)
+        return (o, lse) if return_lse else o
+    if num_splits == "auto" and version in SPLIT_VERSIONS:
+        num_splits = choose_splits(q.shape[-2], k.shape[-2],
+                                   int(np.prod(q.shape[:-2])), d, d_v)
+    splits = tiled.check_splits(
+        num_splits, supported=None if version in SPLIT_VERSIONS else 1)
+    name = _forward_name(version, dtype, precision, d, d_v)
+    if version in TENSOR_CORE_VERSIONS:
+        _refuse_simulator(f"version: v{version}")
+    tr = traits.traits(name, d, d_v)
+    br, bc, threads = tr.br, tr.bc, tr.threads
+    _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
+    call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
+                               window=window, kv_lengths=kv_lengths,
+                               dropout_p=dropout_p, seed=seed,
+                               align=align))
+    o, o_k = call.empty((call.bh, call.nq, d_v), dtype)
+    lse, lse_k = call.empty((call.bh, call.nq))
+    vk = call.to_kernel(v, (call.bh_kv, call.nk, d_v))
+    if splits > 1 and call.bh and call.nq:
+        _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits)
+        call.finish(o_k, lse_k, vk)
+    elif call.bh and call.nq:
+        arrays = [call.to_kernel(q, (call.bh, call.nq, d)),
+                  call.to_kernel(k, (call.bh_kv, call.nk, d)), vk, o_k,
+                  lse_k]
+        if version in TENSOR_CORE_VERSIONS:  # they apply the rule of
+            # flashlab.nonfinite themselves, given V's bad columns
+            if dtype in HALF_BITS:
+                arrays[3] = _pairs(o_k)  # 16-bit pairs
+            arrays.append(call.bad_parts(vk, dtype))
+        kernel(name, d, d_v)[
+            (math.ceil(call.nq / br), call.bh), threads, call.stream](
+            *arrays, *call.args)
+        if version not in TENSOR_CORE_VERSIONS:
+            call.finish(o_k, lse_k, vk)
+    o = call.result(o, (*call.heads, call.nq, d_v))
+    return ((o, call.result(lse, (*call.heads, call.nq))) if return_lse
+            else o)
+
+
+def choose_splits(nq, nk, bh, d, d_v, sms=None):
+    """Split count for v3 at this shape: enough blocks to fill the GPU.
+
+    v3 fits BLOCKS_PER_SM blocks on a multiprocessor (registers capped at
+    128, its shared memory); a launch of fewer blocks than sms times that
+    leaves multiprocessors idle, as decoding does (Nq of 1 to 16 rows: one
+    query block per head). Splitting the keys multiplies the blocks; no
+    split gets fewer than 4 key tiles, whose partial results the combine
+    step would otherwise spend more on than they save. See chapter 11.
+    """
+    if sms is None:
+        sms = _multiprocessors()
+    br, bc = tile_shape(3, d, d_v)
+    blocks = math.ceil(nq / br) * bh
+    tiles = math.ceil(nk / bc)
+    want = math.ceil(sms * forward_v3.BLOCKS_PER_SM / max(blocks, 1))
+    return max(1, min(want, tiles // 4))
+
+
+def _multiprocessors():
+    """Multiprocessors of the current GPU (132 on an H200)."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return 132
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
+def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
+    """Split-KV: partial results of `splits` key ranges, then combined."""
+    br = tile_shape(3, d, d_v)[0]
+    parts, parts_k = call.empty((splits * call.bh, call.nq, d_v))
+    lses, lses_k = call.empty((splits * call.bh, call.nq))
+    kernel(name, d, d_v)[
+        (math.ceil(call.nq / br), call.bh, splits), device.THREADS,
+        call.stream](call.to_kernel(q, (call.bh, call.nq, d)),
+                     call.to_kernel(k, (call.bh_kv, call.nk, d)), vk,
+                     parts_k,
+                     lses_k, *call.args)
+    kernel("combine_splits", 0, 0)[
+        (math.ceil(call.nq * d_v / device.THREADS), call.bh),
+        device.THREADS, call.stream](parts_k, lses_k, o_k, lse_k,
+                                     call.args[0].lowest)
+
+
+def combine(outs, lses):
+    """`merge.combine` on the GPU: outs (S, ..., d_v), lses (S, ...).
+
+    The partial results of S key ranges, float32 torch CUDA tensors (or
+    numpy arrays, copied), folded by the kernel split-KV uses; returns
+    (out (..., d_v), lse (...)) of the same kind. Ring attention merges
+    what reaches each GPU with it.
+    """
+    from numba import cuda
+
+    torch_in = type(outs).__module__.startswith("torch")
+    if str(getattr(outs, "dtype", "")).removeprefix("torch.") != "float32" \
+            or str(getattr(lses, "dtype", "")).removeprefix("torch.") \
+            != "float32":
+        raise TypeError(f"outs, lses: expected float32 arrays, got "
+                        f"{getattr(outs, 'dtype', type(outs).__name__)} "
+                        f"and {getattr(lses, 'dtype', type(lses).__name__)}")
+    shape = tuple(outs.shape)
+    if len(shape) < 3 or tuple(lses.shape) != shape[:-1] or not shape[0]:
+        raise ValueError(
+            f"lses: expected shape {shape[:-1]} (one per split and row of "
+            f"outs {shape}, at least one split), got {tuple(lses.shape)}")
+    splits, *batch, nq, d_v = shape
+    bh = int(np.prod(batch))
+    lowest = np.float32(np.finfo(np.float32).min)
+    if torch_in:
+        import torch
+
+        stream = _stream(outs)
+        out = torch.empty(shape[1:], dtype=torch.float32,
+                          device=outs.device)
+        lse = torch.empty(shape[1:-1], dtype=torch.float32,
+                          device=outs.device)
+        views = [_device_view(x.contiguous().view(s))
+                 for x, s in ((outs, (splits * bh, nq, d_v)),
+                              (lses, (splits * bh, nq)),
+                              (out, (bh, nq, d_v)), (lse, (bh, nq)))]
+    else:
+        stream = 0
+        views = [cuda.to_device(np.ascontiguousarray(outs).reshape(
+                     splits * bh, nq, d_v)),
+                 cuda.to_device(np.ascontiguousarray(lses).reshape(
+                     splits * bh, nq)),
+                 cuda.device_array((bh, nq, d_v), np.float32),
+                 cuda.device_array((bh, nq), np.float32)]
+    if bh and nq and d_v:
+        kernel("combine_splits", 0, 0)[
+            (math.ceil(nq * d_v / device.THREADS), bh), device.THREADS,
+            stream](*views, lowest)
+    if torch_in:
+        return out, lse
+    return (views[2].copy_to_host().reshape(shape[1:]),
+            views[3].copy_to_host().reshape(shape[1:-1]))
+
+
+def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
+                       scale=None, causal=False, mask=None, window=None,
+                       kv_lengths=None, dropout_p=0.0, seed=None,
+                       order="fa2", align=None):
+    """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward.
+
+    float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
+    dims in backward_v5.HEAD_DIMS) the tensor-core kernels of
+    `backward_v5`, with lse float32 as the forward returns it and float32
+    gradients.
+    """
+    options = dict(scale=scale, causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
+                   align=align)
+    fast = _fast_key(q, k, v, ("backward", order),
+                     dict(options, block_q=block_q, block_k=block_k),
+                     saved=(o, lse, do))
+    plan = _plans.get(fast) if fast is not None else None
+    if plan is not None:  # checked when the plan was made: same key
+        return plan(q, k, v, o, lse, do, seed)
+    tiled.check_order(order)  # one backward loop follows either forward
+    d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    if dtype in HALF_BITS and not _device_runs("backward_v5_dq_bf16"):
+        # no 16-bit tensor-core backward on this GPU: float32 kernels
+        return attention_backward(
+            *(x.float() if hasattr(x, "float") else x.astype(np.float32)
+              for x in (q, k, v, o, lse, do)), block_q=block_q,
+            block_k=block_k, order=order, **options)
+    if dtype in HALF_BITS:
+        if d not in backward_v5.HEAD_DIMS or d_v not in backward_v5.HEAD_DIMS:
+            raise ValueError(
+                f"q: the 16-bit backward runs head dims "
+                f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
+                f"float32 copies")
+        _check_fixed_blocks("backward_v5", block_q, backward_v5.BR,
+                            block_k, backward_v5.BC)
+        if fast is not None:
+            _check_saved16(o, lse, do, q, dtype, d_v)
+            plan = _plans[fast] = _BackwardPlan(q, k, v, o, lse, do, dtype,
+                                                options)
+            return plan(q, k, v, o, lse, do, seed)
+        return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options)
+    if dtype != "float32":
+        raise TypeError(f"q: expected float32, bfloat16 or float16 for "
+                        f"the backward, got {dtype}")
+    blocked = max(d, d_v) <= backward.BLOCKED_MAX_DIM
+    nt, rows = ((device.THREADS, backward.BLOCK_BWD) if blocked
+                else (backward.sizes(d, d_v)[0],) * 2)
+    _check_fixed_blocks("backward", block_q, rows, block_k, rows)
+    tiled.check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
+    call = _Call(q, k, v, options)
+    bh, nq, nk = call.bh, call.nq, call.nk
+    qk = call.to_kernel(q, (bh, nq, d))
+    kk = call.to_kernel(k, (call.bh_kv, nk, d))
+    vk = call.to_kernel(v, (call.bh_kv, nk, d_v))
+    ok = call.to_kernel(o, (bh, nq, d_v))
+    dok = call.to_kernel(do, (bh, nq, d_v))
+    lsek = call.to_kernel(lse, (bh, nq))
+    delta, delta_k = call.empty((bh, nq))
+    kernel("row_dot", 0, 0)[(math.ceil(nq / device.THREADS), bh),
+                            device.THREADS, call.stream](dok, ok, delta_k)
+    dq, dq_k = call.empty((bh, nq, d))
+    # dK, dV per query head; a K/V head's is the sum over its group
+    dk, dk_k = call.empty((bh, nk, d))
+    dv, dv_k = call.empty((bh, nk, d_v))
+    suffix = "_blocked" if blocked else ""
+    kernel("backward_kv" + suffix, d, d_v)[
+        (math.ceil(nk / rows), bh), nt, call.stream](
+        qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *call.args)
+    kernel("backward_q" + suffix, d, d_v)[
+        (math.ceil(nq / rows), bh), nt, call.stream](
+        qk, kk, vk, dok, lsek, delta_k, dq_k, *call.args)
+    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    return (call.result(dq, (*call.heads, nq, d)),
+            call.result(dk, (*k.shape[:-2], nk, d)),
+            call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
+    """The tensor-core backward (backward_v5) of 16-bit q, k, v, o, dO."""
+    _check_saved16(o, lse, do, q, dtype, d_v)
+    _refuse_simulator("q: the 16-bit backward (backward_v5)")
+    call = _Call(q, k, v, options)
+    if not (call.torch or call.numpy):
+        raise TypeError("q: the 16-bit backward takes torch tensors or "
+                        "numpy arrays")
+    bh, nq, nk = call.bh, call.nq, call.nk
+    # D_i = rowsum(dO_i o O_i) in float32, by the array library
+    if call.torch:
+        delta = (do.float() * o.float()).sum(-1).reshape(bh, nq)
+        lse32 = lse.reshape(bh, nq)
+    else:
+        delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1)
+        delta, lse32 = delta.reshape(bh, nq), lse.reshape(bh, nq)
+    arrays = [call.to_kernel(q, (bh, nq, d)),
+              call.to_kernel(k, (call.bh_kv, nk, d)),
+              call.to_kernel(v, (call.bh_kv, nk, d_v)),
+              call.to_kernel(do, (bh, nq, d_v)),
+              call.to_kernel(lse32, (bh, nq)), call.to_kernel(delta,
+                                                              (bh, nq))]
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    dq, dq_k = call.empty((bh, nq, d))
+    dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
+    dv, dv_k = call.empty((bh, nk, d_v))
+    if bh and nq and nk:
+        kernel(f"backward_v5_dkv_{kind}", d, d_v)[
+            (math.ceil(nk / backward_v5.BC), bh), warp.THREADS,
+            call.stream](*arrays, dk_k, dv_k, *call.args)
+        kernel(f"backward_v5_dq_{kind}", d, d_v)[
+            (math.ceil(nq / backward_v5.BR), bh), warp.THREADS,
+            call.stream](*arrays, dq_k, *call.args)
+    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    return (call.result(dq, (*call.heads, nq, d)),
+            call.result(dk, (*k.shape[:-2], nk, d)),
+            call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _check_saved16(o, lse, do, q, dtype, d_v):
+    """o and do of q's 16-bit dtype and shape (d_v wide), lse float32."""
+    out_shape = (*q.shape[:-1], d_v)
+    for name, x, shape in (("o", o, out_shape), ("do", do, out_shape),
+                           ("lse", lse, tuple(q.shape[:-1]))):
+        if tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {shape}, got "
+                             f"{tuple(x.shape)}")
+        want = "float32" if name == "lse" else dtype
+        if str(x.dtype).removeprefix("torch.") != want:
+            raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+
+
+def _device_runs(name):
+    """Whether this GPU (any, on the simulator) runs kernel `name`."""
+    from numba import config
+
+    return config.ENABLE_CUDASIM or registry.get(name).runs_on(
+        launch.device_cc())
+
+
+def _refuse_simulator(what):
+    """Inline PTX runs on a GPU only: say so before numba's simulator
+    fails inside a kernel."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError(
+            f"{what} runs mma.sync and ldmatrix as inline PTX, which "
+            f"numba's CUDA simulator cannot execute: run it on a GPU, or "
+            f"pass float32 inputs (chapter 9's kernels run here); chapter "
+            f"10 shows the stored GPU results")
+
+
+def _check_version(version, dtype, d, d_v):
+    """The forward version for inputs of `dtype` on this device (None:
+    the fastest one that is as accurate as float32 arithmetic,
+    `registry.best_version`; it returns None for 16-bit inputs that the
+    device has no kernel for, which the caller widens to float32)."""
+    from numba import config
+
+    simulator = config.ENABLE_CUDASIM
+    if version is None:
+        if simulator and dtype in HALF_BITS:
+            return HALF_VERSIONS[0]  # refused with its reason later
+        cc = None if simulator else launch.device_cc()
+        return registry.best_version(dtype, d, d_v, cc, simulator)
+    if isinstance(version, bool) or version not in VERSIONS:
+        raise ValueError(f"version: expected one of {VERSIONS} or None, "
+                         f"got {version!r}")
+    takes = HALF_VERSIONS if dtype in HALF_BITS else FLOAT32_VERSIONS
+    if version not in takes:
+        raise ValueError(
+            f"version: v{version} does not take {dtype} inputs; versions "
+            f"{takes} do (or pass None)")
+    if not simulator:
+        cc = launch.device_cc()
+        need = min(k.min_cc for k in registry.forwards(version))
+        if cc < need:
+            raise ValueError(
+                f"version: v{version} needs compute capability "
+                f"{need[0]}.{need[1]} or newer; this GPU is "
+                f"{cc[0]}.{cc[1]} (pass None for the best it runs)")
+    return version
+
+
+def _widened(fn, arrays, dtype, with_lse, **options):
+    """fn on float32 copies of 16-bit arrays, the output back in dtype
+    (lse stays float32): for GPUs without 16-bit tensor-core kernels."""
+    if type(arrays[0]).__module__.startswith("torch"):
+        wide = [x.float() for x in arrays]
+        out = fn(*wide, **options)
+        o = out[0] if with_lse else out
+        o = o.to(arrays[0].dtype)
+    else:
+        wide = [x.astype(np.float32) for x in arrays]
+        out = fn(*wide, **options)
+        o = (out[0] if with_lse else out).astype(np.float16)
+    return (o, out[1]) if with_lse else o
+
+
+def _forward_name(version, dtype, precision, d, d_v):
+    """The registry name of the forward kernel of one call."""
+    if version != 6 and precision is not None:
+        raise ValueError(f"precision: only v6 has a precision choice, got "
+                         f"{precision!r} for v{version}")
+    kernels = [k for k in registry.forwards(version) if dtype in k.dtypes]
+    for name, size in (("q", d), ("v", d_v)):
+        if size not in kernels[0].head_dims:
+            raise ValueError(f"{name}: v{version} runs head dims "
+                             f"{kernels[0].head_dims}, got {size}")
+    if version == 6:
+        precision = PRECISIONS[0] if precision is None else precision
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {PRECISIONS}, "
+                             f"got {precision!r}")
+        return "forward_v6_" + precision
+    return kernels[0].name
+
+
+def _check_fixed_blocks(what, block_q, br, block_k, bc):
+    """block_q/block_k may be None or restate the kernel's own tiles."""
+    for name, given, fixed in (("block_q", block_q, br),
+                               ("block_k", block_k, bc)):
+        if given is not None and given != fixed:
+            raise ValueError(
+                f"{name}: flashlab.gpu {what} runs tiles of {fixed} for "
+                f"these head dims; pass None or {fixed}, got {given!r}")
+
+
+def _check_device_inputs(named, dtypes=("float32", *HALF_BITS)):
+    """Arrays of one dtype with head dims 16..128 in steps of 16: (d, d_v,
+    dtype name)."""
+    for name, x in named:
+        if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):
+            raise TypeError(
+                f"{name}: expected a torch CUDA tensor, a numba device "
+                f"array or a numpy array, got {type(x).__name__}")
+        if type(x).__module__.startswith("torch") and x.device.type != \
+                "cuda":
+            raise ValueError(
+                f"{name}: expected a CUDA tensor for flashlab.gpu, got one "
+                f"on {x.device}")
+        dtype = str(x.dtype).removeprefix("torch.")
+        if dtype not in dtypes:
+            raise TypeError(f"{name}: expected a dtype in {dtypes} for "
+                            f"flashlab.gpu, got {x.dtype}")
+        if dtype != str(named[0][1].dtype).removeprefix("torch."):
+            raise TypeError(f"{name}: expected dtype {named[0][1].dtype} "
+                            f"to match q, got {x.dtype}")
+        if x.ndim < 2:
+            raise ValueError(f"{name}: expected at least 2 dims (..., N, "
+                             f"d), got shape {tuple(x.shape)}")
+    d, d_v = named[0][1].shape[-1], named[2][1].shape[-1]
+    for name, size in (("q", d), ("v", d_v)):
+        if size % 16 or not 16 <= size <= 128:
+            raise ValueError(
+                f"{name}: expected a head dim in 16, 32, ..., 128 for "
+                f"flashlab.gpu, got {size}")
+    return d, d_v, dtype
+
+
+class _Call:
+    """One call's arrays of one kind (numpy, numba device, torch)."""
+
+    def __init__(self, q, k, v, options):
+        # the kernels compute in float32 whatever they store: rules too
+        _, _, _, self.batch, plan, a = kernel_args.flatten(
+            *(kernel_args.proxy(x, np.float32) for x in (q, k, v)),
+            options)
+        self.bh = int(np.prod(self.batch))
+        self.group = a.rules.group  # query heads per K/V head
+        self.bh_kv = self.bh // self.group
+        self.heads = tuple(q.shape[:-2])  # the caller's leading dims
+        self.nq, self.nk = plan.nq, plan.nk
+        self.plan = plan
+        self.torch = type(q).__module__.startswith("torch")
+        self.numpy = isinstance(q, np.ndarray)
+        self.device = q.device if self.torch else None
+        self.stream = _stream(q) if self.torch else 0
+        default_lengths = options["kv_lengths"] is None
+        self.args = (a.rules, _on_device(a.kv_len, default_lengths),
+                     _on_device(a.mask.astype(np.uint8), not
+                                a.rules.use_mask))
+
+    def to_kernel(self, x, shape):
+        """A device view (or copy, for numpy) of x with the given shape;
+        16-bit values as their int16 bits, 16-byte aligned for cp.async."""
+        from numba import cuda
+
+        half = str(x.dtype).removeprefix("torch.") in HALF_BITS
+        if self.torch:
+            import torch
+
+            x = x.detach().contiguous().view(shape)
+            if half:
+                x = x.view(torch.int16)
+                if x.data_ptr() % 16:  # an offset view: copy it aligned
+                    x = x.clone()
+            return _device_view(x)
+        if self.numpy:
+            x = np.ascontiguousarray(x).reshape(shape)
+            return cuda.to_device(x.view(np.int16) if half else x)
+        x = x.reshape(shape)
+        return x.view(np.int16) if half else x
+
+    def empty(self, shape, dtype="float32"):
+        """An uninitialized output of `dtype` and its device view (int16
+        bits for a 16-bit dtype)."""
+        from numba import cuda
+
+        half = dtype in HALF_BITS
+        nan_bits = HALF_BITS[dtype][1] if half else 0
+        if dtype == "uint8":  # flags: every entry written by its kernel
+            if self.torch:
+                import torch
+
+                out = torch.empty(shape, dtype=torch.uint8,
+                                  device=self.device)
+                return out, _device_view(out)
+            from numba import cuda
+
+            dev = cuda.device_array(shape, dtype=np.uint8)
+            return dev, dev
+        if self.torch:
+            import torch
+
+            out = torch.empty(shape, dtype=getattr(torch, dtype),
+                              device=self.device)
+            if _poisoned():
+                out.fill_(float("nan"))
+            view = out.view(torch.int16) if half else out
+            return out, _device_view(view)
+        kind = np.int16 if half else np.float32
+        if _poisoned():
+            fill = np.int16(nan_bits) if half else np.float32(np.nan)
+            dev = cuda.to_device(np.full(shape, fill, dtype=kind))
+        else:
+            dev = cuda.device_array(shape, dtype=kind)
+        return dev, dev
+
+    def zeros_bool(self, shape):
+        """A device array of False (small: one flag per column)."""
+        from numba import cuda
+
+        if self.torch:
+            import torch
+
+            return _device_view(torch.zeros(
+                shape, dtype=torch.bool, device=self.device))
+        return cuda.to_device(np.zeros(shape, dtype=np.bool_),
+                              stream=self.stream)
+
+    def bad_columns(self, v_k):
+        """(BH, d_v) bool on the device: column x of float32 V[b] holds a
+        NaN or an inf (flashlab.nonfinite), for v1-v4's finish_rows."""
+        nk, d_v = v_k.shape[1:]
+        bad = self.zeros_bool((self.bh_kv, d_v))
+        grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
+        if nk:
+            kernel("find_bad_columns", 0, 0)[
+                grid, device.THREADS, self.stream](v_k, bad)
+        return self.per_query_head(bad)
+
+    def bad_parts(self, v_k, dtype):
+        """(BH_kv, chunks, d_v) uint8 on the device, one launch, no
+        memset: device.find_bad_parts, which the tensor-core kernels
+        read for the rule of flashlab.nonfinite."""
+        shape = device.bad_parts_shape(self.bh_kv, *v_k.shape[1:])
+        parts, parts_k = self.empty(shape, "uint8")
+        half = dtype in HALF_BITS
+        kernel("find_bad_parts16" if half else "find_bad_parts32", 0, 0)[
+            shape[1::-1], device.THREADS, self.stream](
+            v_k, parts_k, HALF_BITS[dtype][0] if half else 0)
+        return parts_k
+
+    def per_query_head(self, bad):
+        """(BH_kv, d_v) flags as (BH, d_v): one row per query head (a
+        small copy, only with grouped heads)."""
+        if self.group == 1:
+            return bad
+        from numba import cuda
+
+        if self.torch:
+            import torch
+
+            return _device_view(torch.as_tensor(
+                bad, device=self.device).repeat_interleave(self.group, 0))
+        return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
+
+    def group_sum(self, grad):
+        """(BH, N, d) per query head summed over each group: (BH_kv, N,
+        d), in the kind of `grad`."""
+        if self.group == 1:
+            return grad
+        if self.torch:
+            return grad.view(self.bh_kv, self.group, *grad.shape[1:]).sum(1)
+        from numba import cuda
+
+        host = grad.copy_to_host()
+        total = host.reshape(self.bh_kv, self.group, *host.shape[1:]).sum(1)
+        return cuda.to_device(total)
+
+    def finish(self, o_k, lse_k, v_k):
+        """Apply flashlab.nonfinite's rule to the output of v1-v4."""
+        from numba import cuda
+
+        bad = self.bad_columns(v_k)
+        empty = self.plan.empty_rows(self.batch).reshape(self.bh, self.nq)
+        empty_k = _on_device(np.zeros((1, 1), np.bool_), True)
+        if empty.any():  # else a (1, 1) stand-in: no row is empty
+            empty_k = cuda.to_device(np.ascontiguousarray(empty))
+        kernel("finish_rows", 0, 0)[
+            (math.ceil(self.nq / device.THREADS), self.bh), device.THREADS,
+            self.stream](o_k, lse_k, bad, empty_k)
+
+    def result(self, out, shape):
+        """The output in the caller's kind, with the caller's shape."""
+        if self.torch:
+            return out.view(shape)
+        if self.numpy:
+            host = out.copy_to_host()
+            if host.dtype == np.int16:
+                host = host.view(np.float16)
+            return host.reshape(shape)
+        if out.dtype == np.int16:
+            out = out.view(np.float16)
+        return out.reshape(shape)
+
+
+_constants = {}
+
+
+def _on_device(x, constant):
+    """x on the device; copied once and kept when it is a default value.
+
+    The kv_len of unpadded batches, the unused mask and the "no empty
+    row" flag are the same for every call of a shape, so only the first
+    call pays for the copy.
+    """
+    from numba import cuda
+
+    if not constant:
+        return cuda.to_device(x)
+    key = (x.dtype.str, x.shape, x.tobytes())
+    if key not in _constants:
+        _constants[key] = cuda.to_device(x)
+    return _constants[key]
+
+
+def _device_view(tensor):
+    """A torch CUDA tensor as a kernel argument: itself for the driver's
+    launch path, a numba device array for numba's own launches."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return cuda.as_cuda_array(tensor, sync=False)
+    return tensor
+
+
+def _stream(tensor):
+    """torch's current stream on tensor's device, as the kernels take it:
+    a raw CUstream for the driver, a numba stream on the simulator."""
+    import torch
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return cuda.external_stream(
+            torch.cuda.current_stream(tensor.device).cuda_stream)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # a torch without the fast accessor
+        return torch.cuda.current_stream(tensor.device).cuda_stream
+    return raw(tensor.device.index)
+
+
+# One plan per (shapes, dtype, options) of a torch call: see _ForwardPlan
+_plans = {}
+
+
+def _fast_key(q, k, v, choice, options, saved=()):
+    """The plan key of a call a cached plan may run, else None.
+
+    Plans run the tensor-core kernels on torch CUDA tensors with no mask
+    or padding arrays (their values would be part of the key); strided
+    views (a model's heads transposed out of one projection) are copied
+    contiguous per call (`_dense`), contiguous tensors must be 16-byte
+    aligned. Everything else takes the general path, which validates
+    every call from scratch. The key holds everything the checks read,
+    so a call that finds a plan needs none of them.
+    """
+    from numba import config
+
+    if (config.ENABLE_CUDASIM or options["mask"] is not None
+            or options["kv_lengths"] is not None
+            or not all(type(x).__module__.startswith("torch")
+                       for x in (q, k, v, *saved))):
+        return None
+    for x in (q, k, v, *saved):
+        if ((x.is_contiguous() and x.data_ptr() % 16) or not x.numel()
+                or x.device != q.device):
+            return None
+    window = options["window"]
+    try:
+        key = (*(tuple(x.shape) for x in (q, k, v, *saved)),
+               *(x.dtype for x in (q, k, v, *saved)), q.device.index,
+               choice,
+               None if window is None else tuple(window),
+               *(options[n] for n in ("block_q", "block_k", "scale",
+                                      "causal", "dropout_p", "align")))
+        hash(key)
+    except TypeError:  # an unhashable option: validated the long way
+        return None
+    return key
+
+
+def _pairs(x):
+    """A 16-bit output seen as int32 pairs, as v5 stores it."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.view(torch.int32)
+    return x.view(np.int32)
+
+
+class _ForwardPlan:
+    """A tensor-core forward of one (shapes, dtype, options), prepared.
+
+    The first call validates everything (`_Call`) and packs both
+    launches' parameters (launch.Packed); a call then allocates o, lse
+    and the bad-column flags, writes their and q, k, v's data pointers
+    (and the dropout seed) into the packed buffers and launches: no
+    numba dispatch, no host-device copy, no synchronization, so CUDA
+    graphs capture it.
+    """
+
+    def __init__(self, q, k, v, version, dtype, precision, options,
+                 block_q, block_k):
+        import torch
+
+        q, k, v = _dense(q, k, v)
+        d, d_v = q.shape[-1], v.shape[-1]
+        name = _forward_name(version, dtype, precision, d, d_v)
+        tr = traits.traits(name, d, d_v)
+        br, bc, self.threads = tr.br, tr.bc, tr.threads
+        _check_fixed_blocks(f"v{version}", block_q, br, block_k, bc)
+        call = _Call(q, k, v, options)
+        self.half = dtype in HALF_BITS
+        self.o_shape = (*call.heads, call.nq, d_v)
+        self.lse_shape = (*call.heads, call.nq)
+        self.bad_shape = device.bad_parts_shape(call.bh_kv, call.nk, d_v)
+        self.grid = (math.ceil(call.nq / br), call.bh)
+        self.find_grid = self.bad_shape[1::-1]  # (chunks, BH_kv)
+        self.rules, self.constants = call.args[0], call.args[1:]
+        o, lse, bad = self._outputs(q)
+        v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
+        self.find = kernel(
+            "find_bad_parts16" if self.half else "find_bad_parts32", 0, 0
+        ).pack(v3, bad, HALF_BITS[dtype][0] if self.half else 0)
+        o3 = o.view(call.bh, call.nq, d_v)
+        if self.half:
+            o3 = o3.view(torch.int32)  # 16-bit pairs
+        self.main = kernel(name, d, d_v).pack(
+            self._bits(q).view(call.bh, call.nq, d),
+            self._bits(k).view(call.bh_kv, call.nk, d), v3, o3,
+            lse.view(call.bh, call.nq), bad, *call.args)
+
+    def _bits(self, x):
+        """x as the kernels read it: 16-bit values as int16 bits."""
+        import torch
+
+        return x.view(torch.int16) if self.half else x
+
+    def _outputs(self, q):
+        """Fresh o, lse and bad-column flags (written by find_bad_parts)
+        on q's device."""
+        import torch
+
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32,
+                          device=q.device)
+        if _poisoned():
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        bad = torch.empty(self.bad_shape, dtype=torch.uint8,
+                          device=q.device)
+        return o, lse, bad
+
+    def __call__(self, q, k, v, seed):
+        q, k, v = _dense(q, k, v)
+        o, lse, bad = self._outputs(q)
+        stream = _stream(q)
+        self.find.point(0, v.data_ptr())
+        self.find.point(1, bad.data_ptr())
+        self.find.launch(self.find_grid, device.THREADS, stream)
+        main = self.main
+        for arg, x in enumerate((q, k, v, o, lse, bad)):
+            main.point(arg, x.data_ptr())
+        if self.rules.use_dropout:
+            _check_seed(seed)
+            main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
+        main.launch(self.grid, self.threads, stream)
+        return o, lse
+
+
+class _BackwardPlan:
+    """backward_v5 of one (shapes, dtype, options), prepared as
+    _ForwardPlan is: a call allocates D and the float32 gradients and
+    launches D = rowsum(dO o O) (warp.row_dot16), the dK/dV and the dQ
+    kernels from their packed buffers."""
+
+    def __init__(self, q, k, v, o, lse, do, dtype, options):
+        _refuse_simulator("q: the 16-bit backward (backward_v5)")
+        q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
+        call = _Call(q, k, v, options)
+        d, d_v = q.shape[-1], v.shape[-1]
+        self.call, self.d, self.d_v = call, d, d_v
+        self.rules = call.args[0]
+        kind = "bf16" if dtype == "bfloat16" else "f16"
+        bh, nq, nk = call.bh, call.nq, call.nk
+        self.grids = ((math.ceil(nk / backward_v5.BC), bh),
+                      (math.ceil(nq / backward_v5.BR), bh))
+        self.shapes = ((*call.heads, nq, d), (*call.heads, nk, d),
+                       (*call.heads, nk, d_v))
+        self.out_shapes = (self.shapes[0], (*k.shape[:-2], nk, d),
+                           (*v.shape[:-2], nk, d_v))
+        import torch
+
+        bits = [x.view(torch.int16) for x in (q, k, v, do)]
+        self.rows = (bh, nq, d_v // 2)  # dO and O as 16-bit pairs
+        self.row_dot = kernel(f"row_dot_{kind}", 0, 0).pack(
+            *(x.view(torch.int32).view(self.rows) for x in (do, o)),
+            self._delta(q))
+        self.row_grid = (math.ceil(nq / device.THREADS), bh)
+        inputs = [bits[0].view(bh, nq, d),
+                  bits[1].view(call.bh_kv, nk, d),
+                  bits[2].view(call.bh_kv, nk, d_v),
+                  bits[3].view(bh, nq, d_v), lse.view(bh, nq),
+                  self._delta(q)]
+        dq, dk, dv = self._grads(q)
+        self.dkv = kernel(f"backward_v5_dkv_{kind}", d, d_v).pack(
+            *inputs, dk.view(bh, nk, d), dv.view(bh, nk, d_v), *call.args)
+        self.dq = kernel(f"backward_v5_dq_{kind}", d, d_v).pack(
+            *inputs, dq.view(bh, nq, d), *call.args)
+
+    def _delta(self, q):
+        """Room for D_i = rowsum(dO_i o O_i), float32 (BH, Nq)."""
+        import torch
+
+        return torch.empty(self.rows[:2], dtype=torch.float32,
+                           device=q.device)
+
+    def _grads(self, q):
+        """Fresh float32 dq and per-query-head dk, dv."""
+        import torch
+
+        grads = [torch.empty(s, dtype=torch.float32, device=q.device)
+                 for s in self.shapes]
+        if _poisoned():
+            for g in grads:
+                g.fill_(float("nan"))
+        return grads
+
+    def __call__(self, q, k, v, o, lse, do, seed):
+        q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
+        delta = self._delta(q)
+        dq, dk, dv = self._grads(q)
+        stream = _stream(q)
+        for arg, x in enumerate((do, o, delta)):
+            self.row_dot.point(arg, x.data_ptr())
+        self.row_dot.launch(self.row_grid, device.THREADS, stream)
+        inputs = (q, k, v, do, lse, delta)
+        for packed, outs in ((self.dkv, (dk, dv)), (self.dq, (dq,))):
+            for arg, x in enumerate((*inputs, *outs)):
+                packed.point(arg, x.data_ptr())
+            if self.rules.use_dropout:
+                _check_seed(seed)
+                packed.put(len(inputs) + len(outs),
+                           self.rules._fields.index("seed"), "Q", int(seed))
+        self.dkv.launch(self.grids[0], warp.THREADS, stream)
+        self.dq.launch(self.grids[1], warp.THREADS, stream)
+        dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
+                  for g in (dk, dv))
+        return (dq, dk.view(self.out_shapes[1]),
+                dv.view(self.out_shapes[2]))
+
+
+def _check_seed(seed):
+    """A dropout seed as the packed rules hold it: 0 <= seed < 2**64."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) \
+            or not 0 <= seed < 2**64:
+        raise ValueError(f"seed: expected an integer in [0, 2**64) when "
+                         f"dropout_p > 0, got {seed!r}")
+
+
+def _dense(*tensors):
+    """The tensors as the packed kernels read them: contiguous (a copy
+    only of a strided view; torch's copies start 16-byte aligned)."""
+    return tuple(x if x.is_contiguous() else x.contiguous()
+                 for x in tensors)
