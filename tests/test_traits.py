@@ -66,17 +66,32 @@ def test_traits_agree_with_the_registry(spec):
     threads = {traits.traits(spec.name, *hd).threads for hd in dims}
     # a record states threads where they do not depend on the head dims
     assert spec.threads == (threads.pop() if len(threads) == 1 else None)
+    built = spec.make(*dims[-1])
+    params = list(inspect.signature(
+        getattr(built, "py_func", built)).parameters)
     for d, d_v in dims:
         tr = traits.traits(spec.name, d, d_v)
         assert tr.max_registers == spec.max_registers
         assert tr.dynamic_shared == (spec.shared(d, d_v) if spec.shared
                                      else 0)
         # what it writes are parameters of the kernel, in that order
-        built = spec.make(64, 64)
-        params = list(inspect.signature(
-            getattr(built, "py_func", built)).parameters)
         at = [params.index(p) for p in tr.returns]
         assert at == sorted(at), (tr.returns, params)
+
+
+@pytest.mark.parametrize("spec", [k for k in KERNELS if k.shared],
+                         ids=lambda k: k.name)
+def test_dynamic_shared_memory_holds_the_tiles_make_lays_out(spec):
+    # Q_i and two stages each of K_j and V_j (16-bit values), as the
+    # kernel's make() sizes them; the PTX declares none of it
+    for d, d_v in head_dims(spec):
+        tiles = closed_over(spec, d, d_v)
+        need = traits.B16 * (tiles["Q_S"] + 2 * tiles["K_S"]
+                             + 2 * tiles["V_S"])
+        tr = traits.traits(spec.name, d, d_v)
+        # and at most 2 KiB more: room to align the tiles to 1024 bytes,
+        # and v8's mbarriers
+        assert need <= tr.dynamic_shared <= need + 2048, (d, d_v)
 
 
 def test_unknown_kernels_and_head_dims_are_refused():
