@@ -199,8 +199,8 @@ def to_bf16(x):
     return u.astype(np.uint32).view(np.float32)
 
 
-# Hopper's warpgroup MMA (wgmma, v7 in chapter 10). A warpgroup is 4
-# warps, 128 threads; wgmma m64nNk16 multiplies a 64 x 16 A by a 16 x N B
+# Hopper's warpgroup MMA (wgmma, chapter 12). A warpgroup is 4 warps,
+# 128 threads; wgmma m64nNk16 multiplies a 64 x 16 A by a 16 x N B
 # into a 64 x N float32 accumulator that the warpgroup holds as mma.sync's
 # C fragments stacked: warp w holds rows 16 w.. (`wgmma_c_places`). B, and
 # A unless it comes from registers, is read from shared memory through a
