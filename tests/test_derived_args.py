@@ -69,3 +69,40 @@ def test_v8_is_registered_with_its_maps_derived():
     # Q_i, two stages of K and V, the barriers and the alignment fit
     for d in forward_v8.HEAD_DIMS:
         assert forward_v8.shared_bytes(d, d) <= 227 * 1024
+
+
+def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
+    # what v8's update reads from a packed launch: each array's data
+    # pointer and dims, as the caller packed them
+    class Ring:
+        def address(self, key, make, stream):
+            self.seen = key, stream
+            return 0x5000
+
+    ring = Ring()
+    monkeypatch.setattr(forward_v8, "_SLOTS", [ring])
+    kernel = launch.DriverKernel(
+        "k", 0, registry.argument_types("forward16_tma"), None)
+    kernel.derived = launch.Derived(
+        lambda: (FakeDeviceArray((48,), np.uint64, 0),),
+        forward_v8.derived(64, 128).update)
+    driver = FakeDriver()
+    monkeypatch.setattr(launch, "_cuda", lambda: driver)
+    from flashlab.kernel_args import KernelRules
+
+    args = (FakeDeviceArray((6, 100, 64), np.int16, 0x1000),
+            FakeDeviceArray((3, 130, 64), np.int16, 0x2000),
+            FakeDeviceArray((3, 130, 128), np.int16, 0x3000),
+            FakeDeviceArray((6, 100, 64), np.int32, 0x4000),
+            FakeDeviceArray((6, 100), np.float32, 0x4800),
+            FakeDeviceArray((3, 1, 1), np.uint8, 0x4900),
+            KernelRules(np.float32(0.1), False, 0, -1, -1, False,
+                        np.uint64(0), np.uint64(0), False, np.float32(0),
+                        np.float32(0), 2),
+            FakeDeviceArray((6,), np.int64, 0x4A00),
+            FakeDeviceArray((1, 1, 1), np.uint8, 0x4B00))
+    packed = kernel.pack(*args)
+    packed.launch((1, 6), 384, 7)
+    assert ring.seen == ((0x1000, 0x2000, 0x3000, 6, 100, 3, 130, 64, 128),
+                         7)
+    assert packed.read(9, launch.DATA_FIELD) == 0x5000

@@ -19,6 +19,7 @@ launch, so flashlab.gpu's callers pass v5's arguments. See chapter 12.
 """
 
 import ctypes
+import struct
 
 import numpy as np
 from numba import cuda, float32, int16, int32, uint32, uint64
@@ -308,14 +309,18 @@ class _Slots:
 _SLOTS = []  # the one _Slots, made at the first launch
 
 
+_FIELDS = struct.Struct("<Q3q")  # an array's data pointer and three dims
+
+
 def _maps_for(packed, stream):
     """The device address of the tensor maps of the q, k, v packed in
     `packed` (arguments 0, 1, 2)."""
     from flashlab.gpu.launch import DATA_FIELD
 
-    fields = [(arg, DATA_FIELD + i) for arg in range(3) for i in range(4)]
-    (q_at, bh, nq, d, k_at, bh_kv, nk, _, v_at, _, _, d_v) = (
-        packed.read(arg, field) for arg, field in fields)
+    offset = packed.kernel.layout.offset
+    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v) = (
+        _FIELDS.unpack_from(packed.buffer, offset(arg, DATA_FIELD))
+        for arg in range(3))
     if not _SLOTS:
         _SLOTS.append(_Slots())
     return _SLOTS[0].address(
