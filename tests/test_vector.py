@@ -90,3 +90,19 @@ def test_maximum_propagates_nan(dtype):
     _max_all(a, b, out)
     assert np.isnan(out[[0, 1, 5]]).all()
     assert out[2] == -5 and out[3] == 4 and out[4] == 0
+
+
+def test_exp2_degree_is_the_lowest_within_two_ulps():
+    # the fitted polynomial's own relative error on |f| <= 1/2, in exact
+    # arithmetic: degree DEGREE keeps under the 2-ulp budget with room
+    # for float32 rounding, one degree less does not
+    f = np.linspace(-0.5, 0.5, 200001)
+
+    def worst(degree):
+        c = vector.fit_exp2(degree)
+        p = np.polynomial.polynomial.polyval(f, c)
+        return float(np.max(np.abs(p / np.exp2(f) - 1)) / ULP)
+
+    assert worst(vector.DEGREE) < 1.0
+    assert worst(vector.DEGREE - 1) > 2.0
+    assert vector.fit_exp2(vector.DEGREE)[0] == 1.0  # exp2(0) exact
