@@ -71,9 +71,12 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                  plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask,
                  q3.dtype.type(_LOG2E))
     g = a.rules.group  # rows of query heads b: K/V head b // g
-    nonfinite.finish(o.reshape(-1, g, plan.nq, d_v), lse.reshape(
-        -1, g, plan.nq), v3.reshape(-1, 1, plan.nk, d_v),
-        plan.empty_rows(batch).reshape(-1, g, plan.nq))
+    if np.isneginf(lse).any() or not np.isfinite(v3).all():
+        # else the rule changes nothing: no row is empty or unreached
+        # (both have lse -inf here), no column of V is bad
+        nonfinite.finish(o.reshape(-1, g, plan.nq, d_v), lse.reshape(
+            -1, g, plan.nq), v3.reshape(-1, 1, plan.nk, d_v),
+            plan.empty_rows(batch).reshape(-1, g, plan.nq))
     heads = np.shape(q)[:-2]  # the caller's leading dims
     o = o.reshape(*heads, plan.nq, d_v)
     lse = lse.reshape(*heads, plan.nq)
@@ -220,8 +223,8 @@ def _statistics(q, k, m, l, todo, block_q, block_k, r, kv_len, mask,
                 continue
             blas.gemm(False, True, br, bc, d, r.scale, q[b, i0:i0 + br],
                       k[bk, j0:j0 + bc], 0, s)
-            _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
-            _softmax_rows(s, m_i, l_i, no_values, br, bc, r.lowest, log2e)
+            _softmax_rows(s, m_i, l_i, no_values, br, bc, r, b, i0, j0,
+                          kv_len, mask, True, log2e)
 
 
 def _default(block, size):
@@ -239,15 +242,6 @@ def _allowed(r, b, i, j, kv_len, mask):
 
 
 @njit
-def _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask):
-    """Set disallowed pairs of the score tile s[:br, :bc] to -inf."""
-    for a in range(br):
-        for c in range(bc):
-            if not _allowed(r, b, i0 + a, j0 + c, kv_len, mask):
-                s[a, c] = -np.inf
-
-
-@njit
 def _dropout_weight(r, b, i, j):
     """1 / (1 - p) for a kept pair, 0 for a dropped one, 1 without dropout."""
     if r.use_dropout and _keep_bits(r.seed, uint64(b), uint64(i),
@@ -256,27 +250,64 @@ def _dropout_weight(r, b, i, j):
     return r.drop_scale
 
 
-@njit(fastmath=_FAST)
-def _softmax_rows(s, m, l, acc, br, bc, lowest, log2e):
-    """Rows of S_ij -> P_ij in place; m, l, acc updated.
+@njit
+def _row_span(i, j0, bc, r, kv_len):
+    """Columns [lo, hi) of the tile's row i that masks.pair_allowed lets
+    query i attend (lo >= hi: none): causal, window and padding each bound
+    a row to one range of keys, so a tile is masked by two fills."""
+    diag = i + r.offset
+    hi = kv_len
+    if r.causal:
+        hi = min(hi, diag + 1)
+    if r.right >= 0:
+        hi = min(hi, diag + r.right + 1)
+    lo = 0
+    if r.left >= 0:
+        lo = max(lo, diag - r.left)
+    return min(max(lo - j0, 0), bc), min(max(hi - j0, 0), bc)
 
-    vector.maximum and vector.exp2 keep both loops over a row vectorized.
+
+@njit(fastmath=_FAST)
+def _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
+                  ragged, log2e):
+    """Rows of S_ij -> P_ij in place; m, l, acc updated. See chapter 9.
+
+    One row at a time, while it sits in L1: the row max, then exp2 and
+    the row sum, over the row's allowed span only (ragged tiles: causal
+    diagonal, window edges, padding), the mask array's refused scores
+    set to -inf first; the columns outside the span get P = 0 by slice
+    fills, so a masked tile costs no pass of its own.
     """
+    lowest = r.lowest
     for a in range(br):
-        row = s[a, :bc]
-        tile_max = row[0]
-        for c in range(1, bc):
+        lo, hi = 0, bc
+        if ragged:
+            lo, hi = _row_span(i0 + a, j0, bc, r, kv_len[b])
+            hi = max(hi, lo)
+        row = s[a, lo:hi]
+        if r.use_mask:
+            keep = mask[b, i0 + a, j0 + lo:j0 + hi]
+            for c in range(hi - lo):
+                row[c] = row[c] if keep[c] else -np.inf
+        # from lowest, not -inf: a row of -inf then shifts by lowest, as
+        # row_step does anyway, and the loop needs no typed -inf
+        tile_max = lowest
+        for c in range(hi - lo):
             tile_max = vector.maximum(tile_max, row[c])
         m[a], shift, alpha = _row_step(m[a], tile_max, lowest)
         row_sum = alpha * 0  # a zero of the array dtype
-        for c in range(bc):
+        for c in range(hi - lo):
             p = vector.exp2((row[c] - shift) * log2e)  # S - m <= 0
             row_sum += p
             row[c] = p
+        if lo > 0 or hi < bc:  # a slice fill: numba's own loop, several
+            s[a, :lo] = 0  # times faster here than an explicit loop
+            s[a, hi:bc] = 0  # from a row-dependent start
         l[a] = alpha * l[a] + row_sum
-        acc_a = acc[a]
-        for x in range(acc_a.shape[0]):
-            acc_a[x] *= alpha
+        if alpha != 1:  # the row's max moved: rescale its numerator
+            acc_a = acc[a]
+            for x in range(acc_a.shape[0]):
+                acc_a[x] *= alpha
 
 
 @njit(parallel=True, fastmath=_FAST)
@@ -301,10 +332,10 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
             # S_ij = tau Q_i K_j^T: one BLAS call, (br, bc)
             blas.gemm(False, True, br, bc, d, r.scale, q_i,
                       k[bk, j0:j0 + bc], 0, s)
-            if r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc, r,
-                                            kv_len[b]):
-                _mask_tile(s, r, b, i0, br, j0, bc, kv_len, mask)
-            _softmax_rows(s, m, l, acc, br, bc, r.lowest, log2e)
+            ragged = r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc,
+                                                  r, kv_len[b])
+            _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
+                          ragged, log2e)
             if r.use_dropout:  # dropped pairs leave the numerator only
                 for a in range(br):
                     for c in range(bc):
@@ -336,19 +367,28 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
               k_b[j0:j0 + bc], 0, s)
     blas.gemm(False, True, br, bc, d_v, 1, do_b[i0:i0 + br],
               v_b[j0:j0 + bc], 0, dp)
-    plain = (not r.use_mask and not r.use_dropout
-             and _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b]))
+    # no mask array, no dropout: each row's allowed keys are one span
+    spans = not r.use_mask and not r.use_dropout
+    full = _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b])
     for a in range(br):
         i = i0 + a
         shift = max(shift_b[i], r.lowest)  # row_probability's shift
         w = norm_b[i]  # 1, or 1 / l where lse lost l
-        s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
-        if plain:  # every pair allowed, none dropped: a vector loop
-            for c in range(bc):
+        if spans:  # a vector loop over the span, zeros around it
+            lo, hi = (0, bc) if full else _row_span(i, j0, bc, r, kv_len[b])
+            hi = max(hi, lo)
+            s_a, dp_a, pz_a = s[a, lo:hi], dp[a, lo:hi], pz[a, lo:hi]
+            for c in range(hi - lo):
                 p = vector.exp2((s_a[c] - shift) * log2e) * w
                 pz_a[c] = p
                 s_a[c] = p * (dp_a[c] - delta_b[i])
+            if lo > 0 or hi < bc:  # slice fills, as in _softmax_rows
+                s[a, :lo] = 0
+                s[a, hi:bc] = 0
+                pz[a, :lo] = 0
+                pz[a, hi:bc] = 0
             continue
+        s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
         for c in range(bc):
             j = j0 + c
             if not _allowed(r, b, i, j, kv_len, mask):

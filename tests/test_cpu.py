@@ -213,3 +213,32 @@ def test_backward_of_stride_zero_broadcast_inputs(rng):
     want = _reference_grads(q3, k3, v, do)
     for g, w in zip(cpu.attention_backward(q3, k3, v, o, lse, do), want):
         assert max_abs_err(g, w) < 1e-12
+
+
+@pytest.mark.parametrize("causal, window, align", [
+    (False, None, None), (True, None, None),
+    ("bottom_right", None, None), (False, (3, 0), None),
+    (True, (4, 2), "bottom_right"), (False, (0, 5), None)])
+def test_row_span_is_pair_allowed(rng, causal, window, align):
+    # the span the softmax and the backward loop over, against the
+    # per-pair rule, for every row, tile offset and padded length
+    from flashlab import kernel_args, masks
+
+    nq, nk = (int(x) for x in rng.integers(1, 40, size=2))
+    if align == "bottom_right":
+        nk = max(nk, nq)
+    q, k = np.zeros((1, nq, 2)), np.zeros((1, nk, 2))
+    *_, a = kernel_args.flatten(q, k, k, dict(
+        block_q=8, block_k=8, scale=None, causal=causal, mask=None,
+        window=window, kv_lengths=None, dropout_p=0.0, seed=None,
+        align=align))
+    r = a.rules
+    for kv_len in (nk, int(rng.integers(0, nk + 1))):
+        for j0 in range(0, nk, 5):
+            bc = min(5, nk - j0)
+            for i in range(nq):
+                lo, hi = cpu._row_span(i, j0, bc, r, kv_len)
+                want = [masks.pair_allowed(i, j0 + c, r, kv_len)
+                        for c in range(bc)]
+                got = [lo <= c < hi for c in range(bc)]
+                assert got == want, (i, j0, kv_len)
