@@ -3,10 +3,12 @@
 P = exp(S - lse) is no longer P where lse = m + log l rounds back to m
 (huge equal scores, scores near -finfo.max): the backward kernels take
 `device.row_statistics`' shift and norm of each row instead. These run
-the float32 kernels on the simulator here (on the GPU with -m gpu too,
-through the same launches); the tensor-core ones are in
-tests/test_gpu_tensor_cores.py. The truth is flashlab.reference's
-probabilities in float64 and their gradients in closed form.
+the float32 kernels on the simulator here (on a GPU too, through the
+same launches); the tensor-core kernels (inline PTX, which the simulator
+cannot run) only with -m gpu. They also form exp2's argument so that
+scores above 2.36e38 (where s tau log2 e overflows) stay finite. The
+truth is flashlab.reference's probabilities in float64 and their
+gradients in closed form.
 """
 
 import math
@@ -15,8 +17,10 @@ import numpy as np
 import pytest
 
 from flashlab import reference, tiled
-from flashlab.gpu import _Call, backward, device, kernel
+from flashlab.gpu import _Call, backward, device, kernel, traits, warp
 from helpers import max_abs_err, qkv
+
+UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # 16-bit unit roundoff
 
 
 def reference_grads(q, k, v, do, scale):
@@ -82,12 +86,13 @@ def backward32(q, k, v, o, lse, do, exact=True, **opts):
         (dq, q.shape), (dk, k.shape), (dv, v.shape)))
 
 
-def equal_scores(rng, value, nq=6, nk=10, d=16, d_v=16):
-    """float32 q, k, v (2, N, d) whose rows of tau q.k are all `value`
-    (every key the same; tau = 1/2), exactly: one nonzero product."""
+def equal_scores(rng, value, nq=6, nk=10, d=16, d_v=16, tau=0.5):
+    """float32 q, k, v (2, N, d) whose rows of tau q.k are all equal,
+    between value / 2 and value, exactly: one nonzero product, q_0 k_0
+    tau with k_0 = 1 / tau (a power of two)."""
     q, k, v = qkv(rng, (2,), nq, nk, d, d_v, dtype=np.float32)
     k[:] = k[:, :1]
-    k[..., 0] = 2.0  # a power of two: q_0 k_0 / 2 = q_0 exactly
+    k[..., 0] = 1 / tau
     k[..., 1:] = 0
     q[..., 0] = value * rng.uniform(0.5, 1.0, (2, nq))
     return q, k, v
@@ -180,3 +185,163 @@ def test_the_torch_op_on_the_gpu_path_has_the_forward_s_gradient(rng):
     got = gpu.attention_backward(q, k, v, o, lse, do, scale=0.5)
     check(got, reference_grads(q, k, v, do, 0.5))
 
+
+
+def test_half_exponents_are_the_whole_ones_and_do_not_overflow(rng):
+    # the backward's exp2(h + h), h = s tau log2(e)/2 - shift log2(e)/2
+    # (warp.HALF_LOG2E), in float32 as the kernels round: the same bits
+    # as s tau log2 e - shift log2 e wherever that is finite, and finite
+    # for scores up to the float32 limit, where that is not
+    f = np.float32
+    assert warp.HALF_LOG2E * f(2) == warp.LOG2E
+    tau = f(0.125)
+    s = rng.standard_normal(10**5).astype(f) * f(1e3)
+    shift = s.max() + rng.random(10**5).astype(f)
+    half = s * (tau * warp.HALF_LOG2E) - shift * warp.HALF_LOG2E
+    whole = s * (tau * warp.LOG2E) - shift * warp.LOG2E
+    assert np.array_equal(half + half, whole)
+    big = np.array([3.0e38, 2.5e38, 2.9e38, -3.0e38], f)
+    with np.errstate(over="ignore", invalid="ignore"):
+        h = big * warp.HALF_LOG2E - big[0] * warp.HALF_LOG2E
+        whole = big * warp.LOG2E - big[0] * warp.LOG2E
+    assert np.isfinite(h[:3]).all() and h[0] == 0  # P = 1, 0, 0
+    assert np.isnan(whole[0])  # inf - inf: what the kernels once did
+    assert h[3] == -np.inf  # 6e38 below the max: P = exp2(-inf) = 0
+
+
+def backward16(q, k, v, o, lse, do, **opts):
+    """backward_v5's (dq, dk, dv) of 16-bit q, k, v, o, do (numpy float16
+    or torch CUDA tensors), launched as the host launches them, with
+    row_statistics_<kind>'s stats."""
+    call = call_of(q, k, v, opts)
+    bh, nq, nk, d, d_v = call.bh, call.nq, call.nk, q.shape[-1], v.shape[-1]
+    kind = "bf16" if "bfloat16" in str(q.dtype) else "f16"
+    widen = call.arrays.widen
+    delta = (widen(do) * widen(o)).sum(-1).reshape(bh, nq)
+    qk = call.to_kernel(q, (bh, nq, d))
+    kk = call.to_kernel(k, (call.bh_kv, nk, d))
+    stats, stats_k = call.empty((2 * bh, nq))
+    kernel(f"row_statistics_{kind}", 0, 0)[
+        (math.ceil(nq / device.THREADS), bh), device.THREADS, call.stream](
+        qk, kk, call.to_kernel(lse.reshape(bh, nq), (bh, nq)), stats_k,
+        *call.args)
+    inputs = [qk, kk, call.to_kernel(v, (call.bh_kv, nk, d_v)),
+              call.to_kernel(do, (bh, nq, d_v)), stats_k,
+              call.to_kernel(delta, (bh, nq))]
+    dq, dq_k = call.empty((bh, nq, d))
+    dk, dk_k = call.empty((bh, nk, d))
+    dv, dv_k = call.empty((bh, nk, d_v))
+    for part, n, outs in (("dkv", nk, (dk_k, dv_k)), ("dq", nq, (dq_k,))):
+        tr = traits.traits(f"backward_v5_{part}_{kind}", d, d_v)
+        kernel(tr.name, d, d_v)[(math.ceil(n / tr.br), bh), tr.threads,
+                                call.stream](*inputs, *outs, *call.args)
+    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    return tuple(np.asarray(call.result(g, s).float().cpu()) if hasattr(
+        g, "float") else call.result(g, s) for g, s in (
+        (dq, q.shape), (dk, k.shape), (dv, v.shape)))
+
+
+def to16(dtype, *arrays):
+    """float32 arrays as CUDA tensors of a 16-bit dtype (torch)."""
+    import torch
+
+    kind = getattr(torch, dtype)
+    return [torch.tensor(x, device="cuda").to(kind) for x in arrays]
+
+
+def as64(*tensors):
+    """float64 numpy copies of tensors (the 16-bit values, exactly)."""
+    return [x.double().cpu().numpy() for x in tensors]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, value, tau", [
+    ("bfloat16", 1.8e7, 0.5), ("bfloat16", -3.0e38, 1.0),
+    ("float16", 6.0e4, 0.5)])
+def test_v5_backward_rows_of_equal_huge_scores(rng, dtype, value, tau):
+    # the tensor-core backward with row_statistics_<kind>: the gradients
+    # of v5's own forward, P = 1/10 in every row. P and dS enter their
+    # products rounded to 16 bits (u/2 each), so each gradient may be off
+    # by 2u of its largest value
+    from flashlab import gpu
+
+    q, k, v = to16(dtype, *equal_scores(rng, value, d=64, d_v=64, tau=tau))
+    o, lse = gpu.attention(q, k, v, scale=tau, version=5, return_lse=True)
+    do = to16(dtype, rng.standard_normal(o.shape).astype(np.float32))[0]
+    got = backward16(q, k, v, o, lse, do, scale=tau)
+    want = reference_grads(*as64(q, k, v, do), tau)
+    check(got, want, tol=2 * UNIT[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", [5, None])  # None: the device's own
+def test_v5_forward_scores_beyond_the_fold_limit(rng, version):
+    # bf16 q.k up to 2.9e38 with tau = 1: s tau log2 e overflowed to inf
+    # and inf - inf gave NaN; now each row attends its largest key (ties
+    # share), as the reference says
+    from flashlab import gpu
+
+    q, k, v = qkv(rng, (2, 2), 70, 90, 64, 64, dtype=np.float32)
+    q[0, :, ::3] = 0
+    q[0, :, ::3, 0] = 1.7e19
+    k[0, :, :, 0] = rng.uniform(0.5, 1.0, 90) * 1.7e19
+    q, k, v = to16("bfloat16", q, k, v)
+    o, lse = gpu.attention(q, k, v, scale=1.0, version=version,
+                           return_lse=True)
+    q64, k64, v64 = as64(q, k, v)
+    o_ref, lse_ref = reference.attention(q64, k64, v64, scale=1.0,
+                                         return_lse=True)
+    o, lse = (x.double().cpu().numpy() for x in (o, lse))
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    u = UNIT["bfloat16"]
+    assert max_abs_err(o, o_ref) <= u * (np.abs(v64).max() + np.abs(
+        o_ref).max())  # test_gpu_tensor_cores.half_budget
+    assert np.all(np.abs(lse - lse_ref) <= 2**-20 * np.abs(lse_ref) + 1e-3)
+
+
+@pytest.mark.gpu
+def test_v5_backward_scores_beyond_the_fold_limit(rng):
+    # the same scores through backward_v5: dV exact up to its 16-bit
+    # inputs; dS is P (dP - D), a difference of two float32 sums of
+    # |dO| |V| that cancel, so dQ and dK carry float32 rounding times |K|
+    # and |Q| (1.7e19), summed over N
+    from flashlab import gpu
+
+    q, k, v = qkv(rng, (1, 2), 70, 90, 64, 64, dtype=np.float32)
+    q[..., 0] = 1.7e19 * rng.choice([0.0, 1.0], (1, 2, 70))
+    k[..., 0] = rng.uniform(0.5, 1.0, (1, 2, 90)) * 1.7e19
+    q, k, v = to16("bfloat16", q, k, v)
+    o, lse = gpu.attention(q, k, v, scale=1.0, version=5, return_lse=True)
+    do = to16("bfloat16", rng.standard_normal(o.shape).astype(np.float32))
+    got = backward16(q, k, v, o, lse, do[0], scale=1.0)
+    q64, k64, v64, do64 = as64(q, k, v, do[0])
+    want = reference_grads(q64, k64, v64, do64, 1.0)
+    for g in got:
+        assert np.isfinite(g).all()
+    dv_err = max_abs_err(got[2], want[2])
+    assert dv_err <= 2 * UNIT["bfloat16"] * np.abs(want[2]).max() + 1e-6
+    cancel = 2**-16 * np.abs(do64).max() * np.abs(v64).sum(-1).max()
+    for g, w, x, n in ((got[0], want[0], k64, 90), (got[1], want[1], q64,
+                                                    70)):
+        assert max_abs_err(g, w) <= n * cancel * np.abs(x).max()
+
+
+@pytest.mark.gpu
+def test_v6_float32_scores_beyond_the_fold_limit(rng):
+    # float32 tau q.k up to 3e38 on the 3xTF32 forward (warp.tile_softmax
+    # as v5's), then chapter 9's backward: finite, and the reference's
+    q, k, v = qkv(rng, (2, 2), 5, 7, 64, 64, dtype=np.float32)
+    q[0, 0, :, 0] = 3e38
+    q[0, 0, :, 1:] = 0
+    k[0, 0, :, 0] = np.linspace(0.5, 1.0, 7)
+    from flashlab import gpu
+
+    o, lse = gpu.attention(q, k, v, scale=1.0, version=6, return_lse=True)
+    o_ref, lse_ref = reference.attention(*(x.astype(np.float64) for x in (
+        q, k, v)), scale=1.0, return_lse=True)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()
+    assert max_abs_err(o, o_ref) < 1e-5
+    assert max_abs_err(lse / lse_ref, 1.0) < 1e-6
+    do = rng.standard_normal(o.shape).astype(np.float32)
+    check(backward32(q, k, v, o, lse, do, scale=1.0),
+          reference_grads(q, k, v, do, 1.0))

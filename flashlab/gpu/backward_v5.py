@@ -5,7 +5,7 @@ Two kernels, as the float32 backward, deterministic and without atomics:
 - `make_dq`: a block owns 64 query rows, 16 per warp, with Q_i and dO_i
   held as mma A fragments; K_j and V_j stream through SRAM. Per tile it
   recomputes S = Q_i K_j^T and dP = dO_i V_j^T on the tensor cores, forms
-  P = exp2(S tau log2 e - lse log2 e) and dS = P (dP - D) in float32 in
+  P = exp2((S tau - shift) log2 e) norm and dS = P (dP - D) in float32 in
   registers, and accumulates dQ_i += dS K_j, dS re-packed from C to A
   fragments exactly as the forward re-packs P.
 - `make_dkv`: a block owns 64 keys, 16 per warp, with K_j and V_j as A
@@ -17,11 +17,18 @@ Two kernels, as the float32 backward, deterministic and without atomics:
 Each warp works through its (16, 64) tile of S and dP in column slices
 (`parts`), small enough that nothing spills at d = 128.
 
+`stats` holds each row's shift and norm of P (`row_statistics_bf16`,
+`_f16`: the saved lse and 1, or the row's own max and 1 / sum where lse
+lost log l), or is the saved lse alone; the norm rides on D and the
+dropout weight. P's exponent S tau log2 e - shift log2 e is formed as
+twice its half, which overflows for no finite score.
+
 Masks, padding and dropout follow `tiled`: a pair's rules are checked
 per element wherever a tile is not wholly allowed. Gradients accumulate
 in float32 and are stored in float32; with grouped heads dK and dV are
 per query head, summed over each group by the host. See chapter 10.
 """
+
 
 from numba import cuda, float32, int16, int32, int64, uint32
 
@@ -29,6 +36,7 @@ from flashlab.gpu.device import (
     F0,
     NEG_INF,
     inline,
+    row_norm,
     statistics_kernel,
     tile_full,
     tile_skipped,
@@ -49,7 +57,7 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     BR,
-    LOG2E,
+    HALF_LOG2E,
     a_from_c,
     allowed_bits_of,
     at_step,
@@ -182,8 +190,9 @@ def make_dq(D, D_V, kind="bf16"):
     K_S, V_S = BC * D, BC * D_V  # SRAM tiles (16-bit values)
 
     @cuda.jit
-    def backward_v5_dq(q, k, v, do, lse, delta, dq, rules, kv_len, mask):
-        # q, k, v, do: (BH, N, d) 16-bit bits; lse, delta: (BH, Nq)
+    def backward_v5_dq(q, k, v, do, stats, delta, dq, rules, kv_len, mask):
+        # q, k, v, do: (BH, N, d) 16-bit bits; delta: (BH, Nq); stats:
+        # shifts (BH, Nq), then norms (BH, Nq) if present
         k_s = cuda.shared.array(K_S, int16)  # Q_i first, then K_j
         v_s = cuda.shared.array(V_S, int16)  # dO_i first, then V_j
         qf = cuda.local.array((KD, 4), int32)  # Q_i: A fragments
@@ -195,8 +204,9 @@ def make_dq(D, D_V, kind="bf16"):
         kb = cuda.local.array(4, uint32)  # ldmatrix bases: K_j as B
         kt = cuda.local.array(4, uint32)  # K_j as B, read transposed
         vb = cuda.local.array(4, uint32)  # V_j as B
-        lse2 = cuda.local.array(2, float32)  # rows g, g + 8, log2 units
-        dl = cuda.local.array(2, float32)
+        sh2 = cuda.local.array(2, float32)  # rows g, g + 8: shift log2 e / 2
+        zn = cuda.local.array(2, float32)  # 1 / (1 - p) norm
+        dl = cuda.local.array(2, float32)  # D norm
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         b_row, b_chunk = ldmatrix_b(lane, 0, 0)  # this lane's B places
@@ -221,16 +231,17 @@ def make_dq(D, D_V, kind="bf16"):
             i = row + 8 * h
             # an empty row (lse -inf) has no allowed pair: its P is 0
             # whatever the shift; NaN must stay NaN
-            lse2[h] = F0
-            dl[h] = F0
+            sh2[h] = zn[h] = dl[h] = F0
             if i < nq:
-                if lse[b, i] != NEG_INF:
-                    lse2[h] = lse[b, i] * LOG2E
-                dl[h] = delta[b, i]
+                if stats[b, i] != NEG_INF:
+                    sh2[h] = stats[b, i] * HALF_LOG2E  # finite, always
+                norm = row_norm(stats, q.shape[0], b, i)
+                zn[h] = rules.drop_scale * norm
+                dl[h] = delta[b, i] * norm
+        scale2h = rules.scale * HALF_LOG2E
         for n in range(NQ):
             for x in range(4):
                 gf[n, x] = F0
-        scale2 = rules.scale * LOG2E
         cuda.syncthreads()  # every warp has its fragments: SRAM is free
         for jt in range(first, last + 1):
             j0 = jt * BC
@@ -249,10 +260,13 @@ def make_dq(D, D_V, kind="bf16"):
                 lane_bases(vb, v_at + c0 * 16 * CV, b_row, b_chunk, CV)
                 # S = Q_i K_j^T and dP = dO_i V_j^T: (16, 8 NS) per warp
                 s_and_dp(sf, pf, qf, df, kb, vb, KD, KV, NS, CQ, CV)
-                # P = exp2(S tau log2 e - lse log2 e), dS = P (dP Z - D)
+                # log2 of P / norm = S tau log2 e - shift log2 e, formed
+                # as twice its half (see `HALF_LOG2E`); the norm is in zn
+                # and dl
                 for n in range(NS):
                     for x in range(4):
-                        sf[n, x] *= scale2
+                        e = sf[n, x] * scale2h - sh2[x >> 1]
+                        sf[n, x] = e + e
                 if not full:
                     mask_scores(sf, b, row, j0 + c0, nq, nk, rules, kv_len,
                                 mask, NS)
@@ -261,8 +275,8 @@ def make_dq(D, D_V, kind="bf16"):
                 for n in range(NS):
                     for x in range(4):
                         z = F0 if (gone >> (4 * n + x)) & 1 else \
-                            rules.drop_scale
-                        p = ex2(sf[n, x] - lse2[x >> 1])
+                            zn[x >> 1]
+                        p = ex2(sf[n, x])
                         sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
                 # dQ_i += dS K_j: dS's C fragments are its A fragments
                 c_times_b(gf, sf, af, kt, NS // 2, NQ, CQ)
@@ -289,13 +303,15 @@ def make_dkv(D, D_V, kind="bf16"):
     Q_S, O_S = BR * D, BR * D_V  # SRAM tiles (16-bit values)
 
     @cuda.jit
-    def backward_v5_dkv(q, k, v, do, lse, delta, dk, dv, rules, kv_len,
+    def backward_v5_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
                         mask):
-        # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head
+        # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head;
+        # stats: shifts (BH, Nq), then norms (BH, Nq) if present
         q_s = cuda.shared.array(Q_S, int16)  # K_j first, then Q_i
         o_s = cuda.shared.array(O_S, int16)  # V_j first, then dO_i
-        lse_s = cuda.shared.array(ROWS, float32)  # lse_i log2 e (shifts)
-        dl_s = cuda.shared.array(ROWS, float32)  # D_i
+        sh2_s = cuda.shared.array(ROWS, float32)  # shift_i log2 e / 2
+        zn_s = cuda.shared.array(ROWS, float32)  # 1 / (1 - p) norm_i
+        dl_s = cuda.shared.array(ROWS, float32)  # D_i norm_i
         kf = cuda.local.array((KD, 4), int32)  # K_j: A fragments
         vf = cuda.local.array((KV, 4), int32)  # V_j: A fragments
         sf = cuda.local.array((NS, 4), float32)  # S^T, then P^T Z
@@ -332,7 +348,7 @@ def make_dkv(D, D_V, kind="bf16"):
         for n in range(NV):
             for x in range(4):
                 gv[n, x] = F0
-        scale2 = rules.scale * LOG2E
+        scale2h = rules.scale * HALF_LOG2E
         tq = 2 * (lane % 4)  # this lane's first column in an n-tile
         cuda.syncthreads()  # every warp has its fragments: SRAM is free
         for it in range((nq + BR - 1) // BR):
@@ -344,15 +360,17 @@ def make_dkv(D, D_V, kind="bf16"):
             load_tile16(o_at, do, b, i0, BR, D_V, t)
             cp_async_commit()
             if t < BR:
-                shift, d_i = F0, F0  # rows past Nq are never stored
+                shift, norm, d_i = F0, F0, F0  # rows past Nq add 0
                 if i0 + t < nq:
-                    if lse[b, i0 + t] != NEG_INF:  # else no allowed pair
-                        shift = lse[b, i0 + t] * LOG2E
+                    if stats[b, i0 + t] != NEG_INF:  # else no allowed pair
+                        shift = stats[b, i0 + t]
+                    norm = row_norm(stats, q.shape[0], b, i0 + t)
                     d_i = delta[b, i0 + t]
-                lse_s[t] = shift
-                dl_s[t] = d_i
+                sh2_s[t] = shift * HALF_LOG2E  # finite for any shift
+                zn_s[t] = rules.drop_scale * norm
+                dl_s[t] = d_i * norm
             cp_async_wait_all()
-            cuda.syncthreads()
+            cuda.syncthreads()  # Q_i, dO_i, their statistics in SRAM
             for part in range(PARTS):
                 c0 = 8 * NS * part  # the slice's first query in the tile
                 # ldmatrix bases of its rows of Q_i and dO_i
@@ -374,13 +392,16 @@ def make_dkv(D, D_V, kind="bf16"):
                     b, key, i0 + c0, nq, nk, rules, kv_len, mask, NS, True)
                 gone = dropped_bits_of(b, key, i0 + c0, rules, NS, True) \
                     if rules.use_dropout else int64(0)
+                # P^T / norm = exp2(S tau log2 e - shift log2 e), formed
+                # as twice its half (see `HALF_LOG2E`); the norm is in
+                # zn_s and dl_s
                 for n in range(NS):
                     for x in range(4):
                         c = c0 + 8 * n + tq + (x & 1)
                         bit = (4 * n + x)
-                        p = ex2(sf[n, x] * scale2 - lse_s[c]) if (
-                            ok >> bit) & 1 else F0
-                        z = F0 if (gone >> bit) & 1 else rules.drop_scale
+                        e = sf[n, x] * scale2h - sh2_s[c]  # a half
+                        p = ex2(e + e) if (ok >> bit) & 1 else F0
+                        z = F0 if (gone >> bit) & 1 else zn_s[c]
                         sf[n, x] = p * z
                         pf[n, x] = p * (pf[n, x] * z - dl_s[c])
                 # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments

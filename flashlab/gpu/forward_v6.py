@@ -173,7 +173,7 @@ def make(D, D_V, precision="3xtf32"):
                     of[op, x] = al[x // 2] * of[op, x] + pv[op, x]
             cp_async_wait_all()
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j or P
-        # O_i = O_i / l, lse = ln 2 (m + log2 l), and the rule of
+        # O_i = O_i / l, lse = m + ln 2 log2 l, and the rule of
         # flashlab.nonfinite, as in v5
         bits = bad_bits(bad, bk, 2 * tq, NO)  # this thread's columns
         for h in range(2):

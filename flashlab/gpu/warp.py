@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, int32, int64, uint32, uint64
 
-from flashlab import fragments, merge
+from flashlab import fragments
 from flashlab.gpu.device import (
     F0,
     NAN,
@@ -21,6 +21,7 @@ from flashlab.gpu.device import (
     bad_bits,
     dropout_weight,
     inline,
+    row_step,
     tile_full,
     tile_skipped,
 )
@@ -38,6 +39,16 @@ THREADS = 32 * WARPS
 BR = 16 * WARPS  # query rows per block
 LOG2E = np.float32(math.log2(math.e))
 LN2 = np.float32(math.log(2.0))
+# The backward forms exp2(s tau log2 e - shift log2 e) as exp2(h + h),
+# h = s tau (log2 e / 2) - shift (log2 e / 2): halving is exact, so these
+# are the same bits wherever the first form is finite, and h is finite
+# for every finite s tau and shift (at most 3.4e38 log2 e / 2 = 2.45e38)
+HALF_LOG2E = np.float32(math.log2(math.e) / 2)  # exactly LOG2E / 2
+# Up to this |shift| (natural units), shift log2 e is finite and so is s
+# tau log2 e of every score s tau <= shift: exp(s tau - shift) is one FMA
+# and one exp2. Beyond it (scores near the float32 limit, 3.4e38 / log2 e
+# = 2.36e38) the row's scores are shifted first, and its shift is then 0
+WIDE = np.float32(2.0**127)
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in a shuffle
 
 swizzle = cuda.jit(device=True)(fragments.swizzle)
@@ -48,7 +59,6 @@ ldmatrix_b_trans = cuda.jit(device=True)(fragments.ldmatrix_b_trans)
 swizzle_base = cuda.jit(device=True)(fragments.swizzle_base)
 swizzle_step = cuda.jit(device=True)(fragments.swizzle_step)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
-row_step2 = cuda.jit(device=True)(merge.row_step2)
 
 
 @inline
@@ -239,7 +249,7 @@ def row_end(m_h, l_h, seen_h):
         return F0, NEG_INF, 1
     if total == F0:
         return NAN, NAN, 2
-    return np.float32(1) / total, (m_h + math.log2(total)) * LN2, 0
+    return np.float32(1) / total, m_h + math.log2(total) * LN2, 0
 
 
 def make_store_rows16(pack, n_tiles):
@@ -249,7 +259,7 @@ def make_store_rows16(pack, n_tiles):
     @inline
     def store_rows16(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq):
         """A warp's rows g and g + 8 out: O_i / l rounded to 16-bit pairs
-        and lse = ln 2 (m + log2 l), with the rule of flashlab.nonfinite:
+        and lse = m + ln 2 log2 l, with the rule of flashlab.nonfinite:
         no key 0 and -inf, all scores -inf NaN, and NaN in the columns
         where V[bk] holds a NaN or inf (bad, device.find_bad_parts)."""
         bits = bad_bits(bad, bk, 2 * (lane % 4), n_tiles)
@@ -274,21 +284,29 @@ def make_store_rows16(pack, n_tiles):
 
 @inline
 def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
-    """S fragments (log2 units) -> P in place; m, l, alpha per half.
+    """S fragments (tau S) -> P in place; m, l, alpha per half.
 
     Each lane keeps its own share of l (summed over the group at the
-    end); m is the group's row maximum, the same in all four lanes. The
-    dropout weight multiplies P after l has counted it, as in `tiled`.
+    end); m is the group's row maximum, the same in all four lanes. Each
+    term is one exp2 of a log2-unit exponent (`WIDE` says how it is
+    formed). The dropout weight multiplies P after l has counted it, as
+    in `tiled`.
     """
     for h in range(2):
         mx = NEG_INF
         for n in range(tiles):
             mx = max(mx, max(sf[n, 2 * h], sf[n, 2 * h + 1]))
-        m[h], shift, al[h] = row_step2(m[h], quad_max(mx), rules.lowest)
+        m[h], shift, al[h] = row_step(m[h], quad_max(mx), rules.lowest)
+        shift2 = shift * LOG2E  # the usual case: one FMA a term
+        if abs(shift) > WIDE:  # scores near the float32 limit
+            shift2 = F0
+            for n in range(tiles):
+                for e in range(2 * h, 2 * h + 2):
+                    sf[n, e] -= shift  # shifted first
         part = np.float32(0)
         for n in range(tiles):
             for e in range(2 * h, 2 * h + 2):
-                p = ex2(sf[n, e] - shift)
+                p = ex2(sf[n, e] * LOG2E - shift2)
                 part += p
                 sf[n, e] = p
         l[h] = al[h] * l[h] + part
@@ -313,15 +331,15 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
                  rules, kv_len, mask):
     """One K/V tile's S fragments -> P, for v5 and v6 alike.
 
-    Scores go to log2 units (tau log2 e, so every term is one exp2), pairs
-    are masked only in tiles that are not wholly allowed, `seen` notes the
-    rows that met an allowed key, and the online softmax updates m, l and
-    alpha (al) and leaves P in sf.
+    Scores are scaled by tau (log2 e waits for the shift: folded into the
+    scale it overflowed scores above 2.36e38), pairs are masked only in
+    tiles that are not wholly allowed, `seen` notes the rows that met an
+    allowed key, and the online softmax updates m, l and alpha (al) and
+    leaves P in sf.
     """
-    scale2 = rules.scale * LOG2E
     for n in range(tiles):
         for x in range(4):
-            sf[n, x] *= scale2
+            sf[n, x] *= rules.scale
     bits = int64(-1)  # every pair of a full tile is allowed
     if rules.use_mask or j0 + bc > nk or not tile_full(
             i0, i1, j0, j0 + bc, rules, kv_len[b]):
