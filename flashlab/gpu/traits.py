@@ -51,6 +51,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "finish": ("o", "lse"), "row_statistics": ("stats",),
            "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
+STATS = 3  # per-query values a backward block keeps: shift, norm and D
 
 
 def _scalar(br, bc, threads, shared_floats):
@@ -112,28 +113,29 @@ def _wgmma(m, d, d_v):
 def _backward(m, d, d_v, keys):
     """One thread per own row (a key, or a query), the other side staged
     in chunks of CH rows: own rows padded, chunk rows not (and the chunk's
-    lse and D, for dK/dV)."""
+    row statistics, for dK/dV)."""
     nt, ch = m.sizes(d, d_v)
     floats = nt * (d + 1) + nt * (d_v + 1) + ch * d + ch * d_v
-    return _scalar(nt, ch, nt, floats + (2 * ch if keys else 0))
+    return _scalar(nt, ch, nt, floats + (STATS * ch if keys else 0))
 
 
 def _blocked(m, d, d_v, keys):
     """Register-blocked backward, BLOCK_BWD rows a side: Q, dO, K, V
-    padded; (P Z)^T and dS^T for dK/dV, dS for dQ; lse and D."""
+    padded; (P Z)^T and dS^T for dK/dV, dS for dQ; row statistics."""
     n = m.BLOCK_BWD
-    floats = 2 * n * (d + 1) + 2 * n * (d_v + 1) + 2 * n
+    floats = 2 * n * (d + 1) + 2 * n * (d_v + 1) + STATS * n
     scores = (2 if keys else 1) * n * (n + 1)  # padded rows of n + 1
     return _scalar(n, n, device.THREADS, floats + scores)
 
 
 def _backward16(m, d, d_v, keys):
     """Four warps of 16 rows; two SRAM tiles reused (own rows first, then
-    the other side's), and lse, D per query for dK/dV."""
+    the other side's), and row statistics per query for dK/dV."""
     part = "dkv" if keys else "dq"
     rows = m.BR if keys else m.BC  # of the tiles staged in SRAM
     n_tiles = rows // 8 // m.parts(part, d, d_v)
-    shared = B16 * rows * (d + d_v) + (2 * F32 * m.ROWS if keys else 0)
+    shared = B16 * rows * (d + d_v) + (STATS * F32 * m.ROWS if keys
+                                       else 0)
     return _mma(m.BC if keys else m.BR, rows, warp.THREADS, d // 16,
                 n_tiles, d // 8, shared)
 
