@@ -4,10 +4,11 @@
 A call checks its arrays and options once, picks the version the device
 runs (`registry.best_version`) and launches the kernels with the tiles
 and threads of their traits (`traits`). `_Call` holds one call's
-arrays; a tensor-core call on torch tensors of a shape seen before runs
-a prepared plan (`_ForwardPlan`, `_BackwardPlan`) with no checks and no
-numba dispatch. flashlab.gpu re-exports the public names. See chapters
-9 to 11.
+arrays through the adapter of their kind (`adapters`: torch, numpy or
+numba device arrays); a tensor-core call on torch tensors of a shape
+seen before runs a prepared plan (`_ForwardPlan`, `_BackwardPlan`) with
+no checks and no numba dispatch. flashlab.gpu re-exports the public
+names. See chapters 9 to 11.
 """
 
 import math
@@ -19,6 +20,7 @@ from flashlab import kernel_args, tiled
 from flashlab._validate import check_flag
 from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before any kernel)
+    adapters,
     backward,
     backward_v5,
     device,
@@ -27,7 +29,12 @@ from flashlab.gpu import (
     launch,
     registry,
     traits,
-    warp,
+)
+from flashlab.gpu.adapters import (
+    HALF_BITS,
+    dtype_name,
+    is_torch,
+    torch_stream,
 )
 from flashlab.gpu.build import kernel
 
@@ -47,8 +54,6 @@ SPLIT_VERSIONS = (3,)  # take num_splits > 1 (split-KV), or "auto"
 PRECISIONS = tuple(forward_v6.PRECISIONS)  # v6's choices
 DEFAULT_VERSION = 3  # float32 without tensor cores (bench_h200, simulator)
 ORDERS = ("fa2",)  # the loop order the forward kernels run
-# 16-bit storage: (exponent bits, a NaN's bits) per dtype name
-HALF_BITS = {"bfloat16": (0x7F80, 0x7FC0), "float16": (0x7C00, 0x7E00)}
 
 
 def _poisoned():
@@ -206,9 +211,6 @@ def combine(outs, lses):
     (out (..., d_v), lse (...)) of the same kind. Ring attention merges
     what reaches each GPU with it.
     """
-    from numba import cuda
-
-    torch_in = type(outs).__module__.startswith("torch")
     if str(getattr(outs, "dtype", "")).removeprefix("torch.") != "float32" \
             or str(getattr(lses, "dtype", "")).removeprefix("torch.") \
             != "float32":
@@ -223,34 +225,17 @@ def combine(outs, lses):
     splits, *batch, nq, d_v = shape
     bh = int(np.prod(batch))
     lowest = np.float32(np.finfo(np.float32).min)
-    if torch_in:
-        import torch
-
-        stream = _stream(outs)
-        out = torch.empty(shape[1:], dtype=torch.float32,
-                          device=outs.device)
-        lse = torch.empty(shape[1:-1], dtype=torch.float32,
-                          device=outs.device)
-        views = [_device_view(x.contiguous().view(s))
-                 for x, s in ((outs, (splits * bh, nq, d_v)),
-                              (lses, (splits * bh, nq)),
-                              (out, (bh, nq, d_v)), (lse, (bh, nq)))]
-    else:
-        stream = 0
-        views = [cuda.to_device(np.ascontiguousarray(outs).reshape(
-                     splits * bh, nq, d_v)),
-                 cuda.to_device(np.ascontiguousarray(lses).reshape(
-                     splits * bh, nq)),
-                 cuda.device_array((bh, nq, d_v), np.float32),
-                 cuda.device_array((bh, nq), np.float32)]
+    arrays = adapters.of("outs", outs)
+    out, out_k = arrays.empty((bh, nq, d_v), "float32")
+    lse, lse_k = arrays.empty((bh, nq), "float32")
     if bh and nq and d_v:
         kernel("combine_splits", 0, 0)[
             (math.ceil(nq * d_v / device.THREADS), bh), device.THREADS,
-            stream](*views, lowest)
-    if torch_in:
-        return out, lse
-    return (views[2].copy_to_host().reshape(shape[1:]),
-            views[3].copy_to_host().reshape(shape[1:-1]))
+            arrays.stream](arrays.to_kernel(outs, (splits * bh, nq, d_v)),
+                           arrays.to_kernel(lses, (splits * bh, nq)),
+                           out_k, lse_k, lowest)
+    return (arrays.result(out, shape[1:]),
+            arrays.result(lse, shape[1:-1]))
 
 
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
@@ -277,9 +262,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
     if dtype in HALF_BITS and not _device_runs("backward_v5_dq_bf16"):
         # no 16-bit tensor-core backward on this GPU: float32 kernels
+        widen = adapters.kind_of("q", q).widen
         return attention_backward(
-            *(x.float() if hasattr(x, "float") else x.astype(np.float32)
-              for x in (q, k, v, o, lse, do)), block_q=block_q,
+            *(widen(x) for x in (q, k, v, o, lse, do)), block_q=block_q,
             block_k=block_k, order=order, **options)
     if dtype in HALF_BITS:
         if d not in backward_v5.HEAD_DIMS or d_v not in backward_v5.HEAD_DIMS:
@@ -299,9 +284,10 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         raise TypeError(f"q: expected float32, bfloat16 or float16 for "
                         f"the backward, got {dtype}")
     blocked = max(d, d_v) <= backward.BLOCKED_MAX_DIM
-    nt, rows = ((device.THREADS, backward.BLOCK_BWD) if blocked
-                else (backward.sizes(d, d_v)[0],) * 2)
-    _check_fixed_blocks("backward", block_q, rows, block_k, rows)
+    suffix = "_blocked" if blocked else ""
+    kv_tr, q_tr = (traits.traits(name + suffix, d, d_v)
+                   for name in ("backward_kv", "backward_q"))
+    _check_fixed_blocks("backward", block_q, q_tr.br, block_k, kv_tr.br)
     tiled.check_saved(*(kernel_args.proxy(x) for x in (q, v, o, lse, do)))
     call = _Call(q, k, v, options)
     bh, nq, nk = call.bh, call.nq, call.nk
@@ -318,12 +304,11 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     # dK, dV per query head; a K/V head's is the sum over its group
     dk, dk_k = call.empty((bh, nk, d))
     dv, dv_k = call.empty((bh, nk, d_v))
-    suffix = "_blocked" if blocked else ""
-    kernel("backward_kv" + suffix, d, d_v)[
-        (math.ceil(nk / rows), bh), nt, call.stream](
+    kernel(kv_tr.name, d, d_v)[
+        (math.ceil(nk / kv_tr.br), bh), kv_tr.threads, call.stream](
         qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *call.args)
-    kernel("backward_q" + suffix, d, d_v)[
-        (math.ceil(nq / rows), bh), nt, call.stream](
+    kernel(q_tr.name, d, d_v)[
+        (math.ceil(nq / q_tr.br), bh), q_tr.threads, call.stream](
         qk, kk, vk, dok, lsek, delta_k, dq_k, *call.args)
     dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
@@ -336,17 +321,14 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     _check_saved16(o, lse, do, q, dtype, d_v)
     _refuse_simulator("q: the 16-bit backward (backward_v5)")
     call = _Call(q, k, v, options)
-    if not (call.torch or call.numpy):
+    if call.arrays.kind == "numba":
         raise TypeError("q: the 16-bit backward takes torch tensors or "
                         "numpy arrays")
     bh, nq, nk = call.bh, call.nq, call.nk
     # D_i = rowsum(dO_i o O_i) in float32, by the array library
-    if call.torch:
-        delta = (do.float() * o.float()).sum(-1).reshape(bh, nq)
-        lse32 = lse.reshape(bh, nq)
-    else:
-        delta = (do.astype(np.float32) * o.astype(np.float32)).sum(-1)
-        delta, lse32 = delta.reshape(bh, nq), lse.reshape(bh, nq)
+    widen = call.arrays.widen
+    delta = (widen(do) * widen(o)).sum(-1).reshape(bh, nq)
+    lse32 = lse.reshape(bh, nq)
     arrays = [call.to_kernel(q, (bh, nq, d)),
               call.to_kernel(k, (call.bh_kv, nk, d)),
               call.to_kernel(v, (call.bh_kv, nk, d_v)),
@@ -357,12 +339,14 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     dq, dq_k = call.empty((bh, nq, d))
     dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
     dv, dv_k = call.empty((bh, nk, d_v))
+    dkv_tr, dq_tr = (traits.traits(f"backward_v5_{part}_{kind}", d, d_v)
+                     for part in ("dkv", "dq"))
     if bh and nq and nk:
-        kernel(f"backward_v5_dkv_{kind}", d, d_v)[
-            (math.ceil(nk / backward_v5.BC), bh), warp.THREADS,
+        kernel(dkv_tr.name, d, d_v)[
+            (math.ceil(nk / dkv_tr.br), bh), dkv_tr.threads,
             call.stream](*arrays, dk_k, dv_k, *call.args)
-        kernel(f"backward_v5_dq_{kind}", d, d_v)[
-            (math.ceil(nq / backward_v5.BR), bh), warp.THREADS,
+        kernel(dq_tr.name, d, d_v)[
+            (math.ceil(nq / dq_tr.br), bh), dq_tr.threads,
             call.stream](*arrays, dq_k, *call.args)
     dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
@@ -439,15 +423,9 @@ def _check_version(version, dtype, d, d_v):
 def _widened(fn, arrays, dtype, with_lse, **options):
     """fn on float32 copies of 16-bit arrays, the output back in dtype
     (lse stays float32): for GPUs without 16-bit tensor-core kernels."""
-    if type(arrays[0]).__module__.startswith("torch"):
-        wide = [x.float() for x in arrays]
-        out = fn(*wide, **options)
-        o = out[0] if with_lse else out
-        o = o.to(arrays[0].dtype)
-    else:
-        wide = [x.astype(np.float32) for x in arrays]
-        out = fn(*wide, **options)
-        o = (out[0] if with_lse else out).astype(np.float16)
+    kind = adapters.kind_of("q", arrays[0])
+    out = fn(*(kind.widen(x) for x in arrays), **options)
+    o = kind.narrow(out[0] if with_lse else out, arrays[0])
     return (o, out[1]) if with_lse else o
 
 
@@ -483,17 +461,12 @@ def _check_fixed_blocks(what, block_q, br, block_k, bc):
 def _check_device_inputs(named, dtypes=("float32", *HALF_BITS)):
     """Arrays of one dtype with head dims 16..128 in steps of 16: (d, d_v,
     dtype name)."""
+    first = adapters.kind_of(*named[0])
     for name, x in named:
-        if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):
-            raise TypeError(
-                f"{name}: expected a torch CUDA tensor, a numba device "
-                f"array or a numpy array, got {type(x).__name__}")
-        if type(x).__module__.startswith("torch") and x.device.type != \
-                "cuda":
-            raise ValueError(
-                f"{name}: expected a CUDA tensor for flashlab.gpu, got one "
-                f"on {x.device}")
-        dtype = str(x.dtype).removeprefix("torch.")
+        if adapters.kind_of(name, x) is not first:
+            raise TypeError(f"{name}: expected {first.kind} arrays as q, "
+                            f"got {type(x).__name__}")
+        dtype = dtype_name(x)
         if dtype not in dtypes:
             raise TypeError(f"{name}: expected a dtype in {dtypes} for "
                             f"flashlab.gpu, got {x.dtype}")
@@ -526,10 +499,8 @@ class _Call:
         self.heads = tuple(q.shape[:-2])  # the caller's leading dims
         self.nq, self.nk = plan.nq, plan.nk
         self.plan = plan
-        self.torch = type(q).__module__.startswith("torch")
-        self.numpy = isinstance(q, np.ndarray)
-        self.device = q.device if self.torch else None
-        self.stream = _stream(q) if self.torch else 0
+        self.arrays = adapters.of("q", q)  # q's kind: k, v are too
+        self.stream = self.arrays.stream
         default_lengths = options["kv_lengths"] is None
         self.args = (a.rules, _on_device(a.kv_len, default_lengths),
                      _on_device(a.mask.astype(np.uint8), not
@@ -538,76 +509,18 @@ class _Call:
     def to_kernel(self, x, shape):
         """A device view (or copy, for numpy) of x with the given shape;
         16-bit values as their int16 bits, 16-byte aligned for cp.async."""
-        from numba import cuda
-
-        half = str(x.dtype).removeprefix("torch.") in HALF_BITS
-        if self.torch:
-            import torch
-
-            x = x.detach().contiguous().view(shape)
-            if half:
-                x = x.view(torch.int16)
-                if x.data_ptr() % 16:  # an offset view: copy it aligned
-                    x = x.clone()
-            return _device_view(x)
-        if self.numpy:
-            x = np.ascontiguousarray(x).reshape(shape)
-            return cuda.to_device(x.view(np.int16) if half else x)
-        x = x.reshape(shape)
-        return x.view(np.int16) if half else x
+        return self.arrays.to_kernel(x, shape)
 
     def empty(self, shape, dtype="float32"):
         """An uninitialized output of `dtype` and its device view (int16
         bits for a 16-bit dtype)."""
-        from numba import cuda
-
-        half = dtype in HALF_BITS
-        nan_bits = HALF_BITS[dtype][1] if half else 0
-        if dtype == "uint8":  # flags: every entry written by its kernel
-            if self.torch:
-                import torch
-
-                out = torch.empty(shape, dtype=torch.uint8,
-                                  device=self.device)
-                return out, _device_view(out)
-            from numba import cuda
-
-            dev = cuda.device_array(shape, dtype=np.uint8)
-            return dev, dev
-        if self.torch:
-            import torch
-
-            out = torch.empty(shape, dtype=getattr(torch, dtype),
-                              device=self.device)
-            if _poisoned():
-                out.fill_(float("nan"))
-            view = out.view(torch.int16) if half else out
-            return out, _device_view(view)
-        kind = np.int16 if half else np.float32
-        if _poisoned():
-            fill = np.int16(nan_bits) if half else np.float32(np.nan)
-            dev = cuda.to_device(np.full(shape, fill, dtype=kind))
-        else:
-            dev = cuda.device_array(shape, dtype=kind)
-        return dev, dev
-
-    def zeros_bool(self, shape):
-        """A device array of False (small: one flag per column)."""
-        from numba import cuda
-
-        if self.torch:
-            import torch
-
-            return _device_view(torch.zeros(
-                shape, dtype=torch.bool, device=self.device))
-        return cuda.to_device(np.zeros(shape, dtype=np.bool_),
-                              stream=self.stream)
+        return self.arrays.empty(shape, dtype, _poisoned())
 
     def bad_columns(self, v_k):
         """(BH, d_v) bool on the device: column x of float32 V[b] holds a
         NaN or an inf (flashlab.nonfinite), for v1-v4's finish_rows."""
         nk, d_v = v_k.shape[1:]
-        bad = self.zeros_bool((self.bh_kv, d_v))
+        bad = self.arrays.zeros_bool((self.bh_kv, d_v))
         grid = (math.ceil(nk * d_v / device.THREADS), self.bh_kv)
         if nk:
             kernel("find_bad_columns", 0, 0)[
@@ -631,27 +544,14 @@ class _Call:
         small copy, only with grouped heads)."""
         if self.group == 1:
             return bad
-        from numba import cuda
-
-        if self.torch:
-            import torch
-
-            return _device_view(torch.as_tensor(
-                bad, device=self.device).repeat_interleave(self.group, 0))
-        return cuda.to_device(np.repeat(bad.copy_to_host(), self.group, 0))
+        return self.arrays.repeat_rows(bad, self.group)
 
     def group_sum(self, grad):
         """(BH, N, d) per query head summed over each group: (BH_kv, N,
         d), in the kind of `grad`."""
         if self.group == 1:
             return grad
-        if self.torch:
-            return grad.view(self.bh_kv, self.group, *grad.shape[1:]).sum(1)
-        from numba import cuda
-
-        host = grad.copy_to_host()
-        total = host.reshape(self.bh_kv, self.group, *host.shape[1:]).sum(1)
-        return cuda.to_device(total)
+        return self.arrays.group_sum(grad, self.bh_kv, self.group)
 
     def finish(self, o_k, lse_k, v_k):
         """Apply flashlab.nonfinite's rule to the output of v1-v4."""
@@ -668,16 +568,7 @@ class _Call:
 
     def result(self, out, shape):
         """The output in the caller's kind, with the caller's shape."""
-        if self.torch:
-            return out.view(shape)
-        if self.numpy:
-            host = out.copy_to_host()
-            if host.dtype == np.int16:
-                host = host.view(np.float16)
-            return host.reshape(shape)
-        if out.dtype == np.int16:
-            out = out.view(np.float16)
-        return out.reshape(shape)
+        return self.arrays.result(out, shape)
 
 
 _constants = {}
@@ -700,31 +591,6 @@ def _on_device(x, constant):
     return _constants[key]
 
 
-def _device_view(tensor):
-    """A torch CUDA tensor as a kernel argument: itself for the driver's
-    launch path, a numba device array for numba's own launches."""
-    from numba import config, cuda
-
-    if config.ENABLE_CUDASIM:
-        return cuda.as_cuda_array(tensor, sync=False)
-    return tensor
-
-
-def _stream(tensor):
-    """torch's current stream on tensor's device, as the kernels take it:
-    a raw CUstream for the driver, a numba stream on the simulator."""
-    import torch
-    from numba import config, cuda
-
-    if config.ENABLE_CUDASIM:
-        return cuda.external_stream(
-            torch.cuda.current_stream(tensor.device).cuda_stream)
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:  # a torch without the fast accessor
-        return torch.cuda.current_stream(tensor.device).cuda_stream
-    return raw(tensor.device.index)
-
-
 # One plan per (shapes, dtype, options) of a torch call: see _ForwardPlan
 _plans = {}
 
@@ -744,7 +610,7 @@ def _fast_key(q, k, v, choice, options, saved=()):
 
     if (config.ENABLE_CUDASIM or options["mask"] is not None
             or options["kv_lengths"] is not None
-            or not all(type(x).__module__.startswith("torch")
+            or not all(is_torch(x)
                        for x in (q, k, v, *saved))):
         return None
     for x in (q, k, v, *saved):
@@ -840,7 +706,7 @@ class _ForwardPlan:
     def __call__(self, q, k, v, seed):
         q, k, v = _dense(q, k, v)
         o, lse, bad = self._outputs(q)
-        stream = _stream(q)
+        stream = torch_stream(q)
         self.find.point(0, v.data_ptr())
         self.find.point(1, bad.data_ptr())
         self.find.launch(self.find_grid, device.THREADS, stream)
@@ -869,8 +735,11 @@ class _BackwardPlan:
         self.rules = call.args[0]
         kind = "bf16" if dtype == "bfloat16" else "f16"
         bh, nq, nk = call.bh, call.nq, call.nk
-        self.grids = ((math.ceil(nk / backward_v5.BC), bh),
-                      (math.ceil(nq / backward_v5.BR), bh))
+        dkv_tr, dq_tr = (traits.traits(f"backward_v5_{part}_{kind}", d,
+                                       d_v) for part in ("dkv", "dq"))
+        self.grids = ((math.ceil(nk / dkv_tr.br), bh),
+                      (math.ceil(nq / dq_tr.br), bh))
+        self.threads = (dkv_tr.threads, dq_tr.threads)
         self.shapes = ((*call.heads, nq, d), (*call.heads, nk, d),
                        (*call.heads, nk, d_v))
         self.out_shapes = (self.shapes[0], (*k.shape[:-2], nk, d),
@@ -916,7 +785,7 @@ class _BackwardPlan:
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         delta = self._delta(q)
         dq, dk, dv = self._grads(q)
-        stream = _stream(q)
+        stream = torch_stream(q)
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.row_grid, device.THREADS, stream)
@@ -928,8 +797,8 @@ class _BackwardPlan:
                 _check_seed(seed)
                 packed.put(len(inputs) + len(outs),
                            self.rules._fields.index("seed"), "Q", int(seed))
-        self.dkv.launch(self.grids[0], warp.THREADS, stream)
-        self.dq.launch(self.grids[1], warp.THREADS, stream)
+        self.dkv.launch(self.grids[0], self.threads[0], stream)
+        self.dq.launch(self.grids[1], self.threads[1], stream)
         dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
                   for g in (dk, dv))
         return (dq, dk.view(self.out_shapes[1]),
