@@ -17,6 +17,7 @@ package, in the order chapters 9 and 10 read it:
 - `launch`, `build`: numba compiles, the driver loads and launches
   (sm_90a on Hopper); PTX for any target without a GPU;
 - `traits`: each kernel's tile constants at one (d, d_v);
+- `adapters`: one per kind of array taken (torch, numpy, numba);
 - `host`: the entry points `attention`, `attention_backward` and
   `combine`, with the keywords of `tiled.attention`, which this module
   re-exports.
@@ -25,6 +26,7 @@ package, in the order chapters 9 and 10 read it:
 # the modules, as flashlab.gpu.forward_v1 etc. (chapters show them)
 from flashlab.gpu import (  # noqa: F401
     _numpy_compat,  # before any kernel
+    adapters,
     backward,
     backward_v5,
     device,
