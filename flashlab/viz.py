@@ -1002,9 +1002,14 @@ def stall_figure(profile, least=0.05):
                                         stalls.values()))
     fig, ax = plt.subplots(figsize=(9, 3.2))
     width = 0.8 / len(stalls)
+    cases = {name.partition(" ")[2] for name in stalls}
     for k, (name, s) in enumerate(stalls.items()):
+        # "v5 B2 H8 ..." as "v5" where every kernel ran the same case
+        label = name.partition(" ")[0] if len(cases) == 1 else name
         ax.bar(np.arange(len(reasons)) + k * width,
-               [s.get(r, 0) for r in reasons], width, label=name)
+               [s.get(r, 0) for r in reasons], width, label=label)
+    if len(cases) == 1:
+        ax.set_title(cases.pop(), fontsize=9)
     ax.set_xticks(np.arange(len(reasons)) + 0.4 - width / 2,
                   [r.replace("_", " ") for r in reasons], rotation=30,
                   ha="right", fontsize=8)
@@ -1047,7 +1052,7 @@ def ladder_figure(ladder):
 
     steps = list(dict.fromkeys(s["step"] for s in ladder["steps"]))
     dims = sorted({s["d"] for s in ladder["steps"]})
-    fig, ax = plt.subplots(figsize=(9, 2.8))
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(steps)))
     height = 0.8 / len(dims)
     for k, d in enumerate(dims):
         for y, step in enumerate(steps[::-1]):
@@ -1062,6 +1067,400 @@ def ladder_figure(ladder):
     ax.set_xlim(0, 1.25 * max(s["tflops"] for s in ladder["steps"]))
     ax.set_xlabel(f"forward TFLOP/s ({ladder['shape']})")
     ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# forward_v8's producer and consumers, read from its kernel's source by a
+# small interpreter (`v8_program`) and run on a model of its mbarriers
+# (`MBarrier`, `v8_timeline`).
+
+
+class MBarrier:
+    """Chapter 12: a model of one mbarrier (flashlab.gpu.tma): a phase
+    completes once `count` arrivals and every expected byte are in; a
+    wait on parity p passes once the last phase of parity p has completed
+    (a fresh barrier's phase "before 0", parity 1, counts as completed)."""
+
+    def __init__(self, count):
+        self.count = count  # arrivals that complete a phase
+        self.phase = 0  # phases completed so far; the running one's number
+        self.arrivals = 0  # arrivals in the running phase
+        self.tx = 0  # bytes expected in the running phase, not yet landed
+        self.latest = (0.0, None)  # (when, by whom) its last event was
+        self.ends = []  # (when, by whom) each completed phase ended
+
+    def arrive(self, at=0.0, who=None, arrivals=1, expect_tx=0):
+        """`arrivals` arrivals at time `at` (mbarrier.arrive); expect_tx
+        bytes more to land first (mbarrier.arrive.expect_tx)."""
+        self.tx += expect_tx
+        self.arrivals += arrivals
+        self._event(at, who)
+
+    def complete_tx(self, nbytes, at=0.0, who=None):
+        """nbytes of a copy landed at time `at` (a TMA copy's complete_tx)."""
+        self.tx -= nbytes
+        self._event(at, who)
+
+    def _event(self, at, who):
+        if self.arrivals > self.count:
+            raise ValueError(f"mbarrier: {self.arrivals} arrivals in a "
+                             f"phase that expects {self.count}")
+        if at >= self.latest[0]:
+            self.latest = (at, who)
+        if self.arrivals == self.count and self.tx == 0:
+            self.ends.append(self.latest)
+            self.phase += 1
+            self.arrivals, self.latest = 0, (0.0, None)
+
+    def try_wait(self, parity):
+        """mbarrier.try_wait.parity: has the last phase of this parity
+        completed (the running phase has the other parity)?"""
+        return self.phase % 2 != parity
+
+    def ready(self, parity):
+        """(when, by whom) a wait on `parity` passes, or None while the
+        running phase has that parity."""
+        if not self.try_wait(parity):
+            return None
+        return self.ends[-1] if self.ends else (0.0, None)
+
+
+class Step(NamedTuple):
+    """One step of a role of forward_v8 (v8_program): `what` ("init",
+    "expect", "load", "wait", "arrive", "barrier", "issue S", ...), the
+    mbarrier it names (its number, or None) and its operand."""
+
+    what: str
+    bar: object = None
+    value: object = None
+
+
+# forward_v8's calls by name, and the step each is
+V8_CALLS = {"mbarrier_init": "init", "arrive_expect_tx": "expect",
+            "load_3d": "load", "wait": "wait", "arrive": "arrive",
+            "syncthreads": "barrier", "s_issue": "issue S",
+            "o_issue": "issue PV", "s_wait": "wait S",
+            "s_wait_one": "wait S", "o_wait": "wait PV",
+            "tile_softmax": "softmax", "rescale": "rescale", "to_a": "to_a"}
+
+
+def v8_barrier_names():
+    """Chapter 12: {mbarrier number: name} of forward_v8's barriers
+    ("Q full", "K full 0", ..., "V empty 1"), from its constants."""
+    from flashlab.gpu import forward_v8 as v8
+
+    bases = sorted((getattr(v8, n), n) for n in
+                   ("Q_FULL", "K_FULL", "V_FULL", "K_EMPTY", "V_EMPTY"))
+    out = {}
+    for k, (base, name) in enumerate(bases):
+        end = bases[k + 1][0] if k + 1 < len(bases) else base + 2
+        tensor, kind = name.split("_")
+        for x in range(base, end):
+            stage = "" if end - base == 1 else f" {x - base}"
+            out[x] = f"{tensor} {kind.lower()}{stage}"
+    return out
+
+
+def v8_program(tiles=4, d=64, d_v=None):
+    """Chapter 12: {role: [Step, ...]} of forward_v8 over `tiles` K/V
+    tiles at head dims d, d_v: what thread 0 of the producer warpgroup
+    and each consumer warpgroup do, in order, read from the kernel's
+    source by running its control flow and its integer arithmetic (the
+    barrier numbers, stages and parities) on the host; products, waits
+    and the softmax appear by name. A load's bytes are its box's (64
+    columns of Br rows for Q, Bc rows for K and V; forward_v8.tensor_maps).
+    """
+    import ast
+    import inspect
+    import textwrap
+
+    from flashlab.gpu import forward_v8 as v8
+
+    d_v = d if d_v is None else d_v
+    tree = ast.parse(textwrap.dedent(inspect.getsource(v8.make)))
+    make = tree.body[0]
+    kernel = next(f for f in ast.walk(make)
+                  if isinstance(f, ast.FunctionDef)
+                  and f.name == "forward_v8")
+    ints = {k: x for k, x in vars(v8).items()
+            if isinstance(x, int) or k == "BLOCK_K"}
+    names = {**ints, "D": d, "D_V": d_v, "uint32": int, "uint64": int,
+             "int32": int, "range": range, "min": min, "max": max}
+    box_rows = (v8.BR, v8.BLOCK_K[d], v8.BLOCK_K[d])
+
+    def value(node, ns):
+        return eval(compile(ast.Expression(node), "forward_v8", "eval"),
+                    {"__builtins__": {}}, ns)
+
+    def bind(target, x, ns):
+        if isinstance(target, ast.Name):
+            ns[target.id] = x
+        elif isinstance(target, ast.Tuple):
+            for t, y in zip(target.elts, x):
+                bind(t, y, ns)
+
+    def assign(st, ns):
+        try:
+            x = value(st.value, ns)
+        except Exception:  # not the host's arithmetic: a device value
+            return
+        for target in st.targets:
+            bind(target, x, ns)
+
+    for st in make.body:  # make's constants: BC, KD, Q_S, ...
+        if isinstance(st, ast.Assign):
+            assign(st, names)
+
+    def called(node):
+        f = getattr(node, "func", None)
+        return f.attr if isinstance(f, ast.Attribute) else getattr(
+            f, "id", None)
+
+    def step(call, ns):
+        what = V8_CALLS.get(called(call))
+        if what is None:
+            return None
+        args = call.args
+        if what in ("init", "expect", "wait"):
+            return Step(what, value(args[0], ns) // 8, value(args[1], ns))
+        if what == "arrive":
+            return Step(what, value(args[0], ns) // 8)
+        if what == "load":  # (tensor, bytes) of one box
+            tensor = value(args[1], ns) // 128  # 0, 1, 2: Q, K, V maps
+            return Step(what, value(args[5], ns) // 8,
+                        ("QKV"[tensor], 2 * v8.PANEL * box_rows[tensor]))
+        if what.startswith("issue"):  # the stage its descriptor reads:
+            # (its address - stage 0's) / one stage's step
+            step_ = ns["k_next" if what == "issue S" else "v_next"]
+            return Step(what, None, value(args[2], ns) // step_)
+        return Step(what)
+
+    def run(statements, ns, out):
+        """Append the steps of `statements`; True once a return is met."""
+        for st in statements:
+            if isinstance(st, ast.Return):
+                return True
+            if isinstance(st, ast.Assign):
+                assign(st, ns)
+            elif isinstance(st, ast.If):
+                branch = st.body if value(st.test, ns) else st.orelse
+                if run(branch, ns, out):
+                    return True
+            elif isinstance(st, ast.For):
+                try:
+                    over = value(st.iter, ns)
+                except Exception:  # a loop over registers: no steps
+                    if any(called(c) in V8_CALLS for c in ast.walk(st)):
+                        raise ValueError(
+                            "v8_program: cannot count the loop "
+                            f"`{ast.unparse(st.iter)}`") from None
+                    continue
+                for x in over:
+                    bind(st.target, x, ns)
+                    if run(st.body, ns, out):
+                        return True
+            elif isinstance(st, ast.Expr) and isinstance(st.value,
+                                                         ast.Call):
+                s = step(st.value, ns)
+                if s is not None:
+                    out.append(s)
+        return False
+
+    roles = {"producer": 0}
+    roles.update({f"warpgroup {g}": 128 * (g + 1)
+                  for g in range(v8.GROUPS)})
+    out = {}
+    for role, t in roles.items():
+        ns = {**names, "t": t, "w": t // 32, "lane": 0, "first": 0,
+              "last": tiles - 1, "bars": 0, "maps_at": 0, "q_desc": 0,
+              "k_desc": 0, "v_desc": 0, "k_next": 1, "v_next": 1}
+        out[role] = []
+        run(kernel.body, ns, out[role])
+    return out
+
+
+class Handoff(NamedTuple):
+    """One passed mbarrier wait of v8_timeline: `waiter` went on at
+    `resumed` past phase-end `ready` of barrier `bar`, completed by
+    `source` (None for a fresh barrier)."""
+
+    bar: str
+    parity: int
+    tile: int
+    source: object
+    waiter: str
+    ready: float
+    resumed: float
+
+
+def v8_timeline(program, costs=None):
+    """Chapter 12: (spans, handoffs) of forward_v8's roles running
+    `program` (v8_program) together: one TMA unit copying boxes in issue
+    order, one tensor-core queue, and the mbarriers as MBarrier models
+    (a consumer warpgroup arrives with its 128 threads).
+
+    A model, not a measurement: costs (in units of one S_ij product) are
+    {"S", "PV", "softmax", "rescale", "box"} ("box": one 16 KiB TMA box).
+    A wait on an mbarrier holds its role until the phase completes; a
+    role that waits on a phase nobody completes raises ValueError."""
+    costs = {"S": 1.0, "PV": 1.0, "softmax": 0.75, "rescale": 0.15,
+             "box": 0.5, **(costs or {})}
+    names = v8_barrier_names()
+    roles = list(program)
+    pc, now = dict.fromkeys(roles, 0), dict.fromkeys(roles, 0.0)
+    bars, done, spans, handoffs = {}, {}, [], []
+    s_tile, p_tile = dict.fromkeys(roles, -1), dict.fromkeys(roles, -1)
+    filled = {}  # tensor -> tiles whose bytes were expected so far
+    tma_free = queue_free = 0.0
+
+    def next_step(r):
+        return program[r][pc[r]] if pc[r] < len(program[r]) else None
+
+    while any(next_step(r) for r in roles):
+        live = [r for r in roles if next_step(r)]
+        if all(next_step(r).what == "barrier" for r in live):
+            at = max(now[r] for r in live)  # the block barrier: all meet
+            for r in live:
+                now[r] = at
+                pc[r] += 1
+            spans.append(Span("barrier", "barrier", -1, -1, at, at))
+            continue
+        ready = {}  # role -> when its next step can run
+        for r in live:
+            s = next_step(r)
+            if s.what == "barrier":
+                continue
+            if s.what == "wait":
+                passed = bars[s.bar].ready(s.value)
+                if passed is None:
+                    continue
+                ready[r] = max(now[r], passed[0])
+            else:
+                ready[r] = now[r]
+        if not ready:
+            stuck = "; ".join(
+                f"{r} waits on {names.get(next_step(r).bar)} parity "
+                f"{next_step(r).value}" for r in live
+                if next_step(r).what == "wait")
+            raise ValueError(f"v8 model: no role can go on ({stuck})")
+        r = min(ready, key=lambda x: (ready[x], roles.index(x)))
+        s, group = next_step(r), roles.index(r) - 1
+        if s.what == "init":
+            bars[s.bar] = MBarrier(s.value)
+        elif s.what == "expect":
+            tensor = names[s.bar][0]
+            filled[tensor] = filled.get(tensor, 0) + 1
+            bars[s.bar].arrive(now[r], r, expect_tx=s.value)
+        elif s.what == "load":
+            tensor, nbytes = s.value
+            start = max(now[r], tma_free)
+            tma_free = start + costs["box"] * nbytes / (2 * 64 * 128)
+            bars[s.bar].complete_tx(nbytes, tma_free, "TMA")
+            spans.append(Span("TMA", tensor, -1, filled[tensor] - 1, start,
+                              tma_free))
+        elif s.what == "wait":
+            at, source = bars[s.bar].ready(s.value)
+            if r == "producer":  # the tile it is about to copy
+                tile = filled.get(names[s.bar][0], 0)
+            else:  # the tile its next product reads
+                tile = p_tile[r] if names[s.bar][0] == "V" else s_tile[r] + 1
+            handoffs.append(Handoff(names[s.bar], s.value, tile, source, r,
+                                    at, ready[r]))
+            if ready[r] > now[r]:
+                spans.append(Span(r, "wait", group, tile, now[r],
+                                  ready[r]))
+            now[r] = ready[r]
+        elif s.what == "arrive":
+            bars[s.bar].arrive(now[r], r, arrivals=128)
+        elif s.what.startswith("issue"):
+            what = s.what.split()[1]
+            if what == "S":
+                s_tile[r] += 1
+            tile = s_tile[r] if what == "S" else p_tile[r]
+            start = max(now[r], queue_free)
+            queue_free = start + costs[what]
+            done[r, what] = queue_free
+            spans.append(Span("tensor cores", what, group, tile, start,
+                              queue_free))
+        elif s.what.startswith("wait "):
+            now[r] = max(now[r], done[r, s.what.split()[1]])
+        elif s.what == "to_a":  # P of the tile just softmaxed is A of P V
+            p_tile[r] = s_tile[r]
+        else:  # the lanes' own work: softmax, rescale
+            spans.append(Span(r, s.what, group, s_tile[r], now[r],
+                              now[r] + costs[s.what]))
+            now[r] += costs[s.what]
+        pc[r] += 1
+    return spans, handoffs
+
+
+def v8_figure(spans, handoffs):
+    """Chapter 12: v8_timeline's spans as bars, one row per unit, and its
+    mbarrier handoffs as arrows at the moment a phase completed: "full"
+    from the TMA copy that completed it to each consumer waiting on it,
+    "empty" from the warpgroup whose arrival freed a stage to the
+    producer."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    units = ["producer", "TMA", "tensor cores", "warpgroup 0",
+             "warpgroup 1"]
+    y_of = {u: len(units) - 1 - k for k, u in enumerate(units)}
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    colors = {("S", 0): "#4c72b0", ("PV", 0): "#8fa8d6",
+              ("S", 1): "#c44e52", ("PV", 1): "#e39a9c",
+              "Q": "#dddd88", "K": "#e8b04c", "V": "#f3d49b",
+              "softmax": "#55a868", "rescale": "#bbbbbb"}
+    boxes = {}  # a tile's TMA boxes (one per 64 columns) as one bar
+    for s in spans:
+        if s.who == "TMA":
+            a, b = boxes.get((s.what, s.tile), (s.start, s.end))
+            boxes[s.what, s.tile] = (min(a, s.start), max(b, s.end))
+    spans = [s for s in spans if s.who != "TMA"] + [
+        Span("TMA", what, -1, tile, a, b)
+        for (what, tile), (a, b) in boxes.items()]
+    for s in spans:
+        if s.who == "barrier":
+            ax.axvline(s.start, color="black", ls=":", lw=1)
+            continue
+        y = y_of[s.who]
+        if s.what == "wait":
+            ax.barh(y, s.end - s.start, left=s.start, height=0.35,
+                    color="white", edgecolor="#999999", hatch="///",
+                    lw=0.5)
+            continue
+        color = colors.get((s.what, s.group % 2), colors.get(s.what))
+        ax.barh(y, s.end - s.start, left=s.start, height=0.7, color=color,
+                edgecolor="white")
+        if s.what != "rescale" and s.end - s.start >= 0.4:
+            label = f"{'P V' if s.what == 'PV' else s.what} {s.tile}"
+            ax.text((s.start + s.end) / 2, y, label, ha="center",
+                    va="center", fontsize=6.5)
+    for h in handoffs:
+        if h.source is None:  # a fresh barrier: nothing was handed over
+            continue
+        full = "full" in h.bar  # drawn when the phase completed
+        ax.annotate("", xy=(h.ready, y_of[h.waiter]),
+                    xytext=(h.ready, y_of[h.source]),
+                    arrowprops=dict(arrowstyle="->", lw=0.7,
+                                    color="#1f5fa8" if full else "#b22222",
+                                    shrinkA=2, shrinkB=4))
+    ax.legend(handles=[Patch(color=colors[k], label=label) for k, label in (
+        (("S", 0), "S of warpgroup 0"), (("PV", 0), "P V of warpgroup 0"),
+        (("S", 1), "S of warpgroup 1"), (("PV", 1), "P V of warpgroup 1"),
+        ("softmax", "softmax"), ("K", "TMA copy of K"),
+        ("V", "TMA copy of V"))]
+        + [Patch(facecolor="white", edgecolor="#999999", hatch="///",
+                 label="waiting on an mbarrier"),
+           Patch(color="#1f5fa8", label="full: a tile landed"),
+           Patch(color="#b22222", label="empty: a stage is free")],
+        fontsize=7, ncol=5, loc="upper center",
+        bbox_to_anchor=(0.5, -0.2))
+    ax.set_yticks([y_of[u] for u in units], units)
+    ax.set_xlabel("time, in units of one S_ij product (a model); dotted: "
+                  "the block's one barrier")
+    ax.set_xlim(0, max(s.end for s in spans))
     fig.tight_layout()
     return fig
 

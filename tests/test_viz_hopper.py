@@ -22,8 +22,11 @@ def test_ncu_sections_reads_every_metric_of_the_stored_profile():
         want = {m[0]: float(m[1].replace(",", "")) for m in re.findall(
             r"^\s+(\w+__\S+)\s+\S+\s+([\d,.]+)\s*$", body, re.M)}
         assert profile[name] == want and len(want) == 23
-    stalls = viz.stall_reasons(next(iter(profile.values())))
-    assert "selected" not in stalls and stalls["wait"] == 1.5
+    first = next(iter(profile.values()))
+    stalls = viz.stall_reasons(first)
+    wait = "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"
+    assert "selected" not in stalls and stalls["wait"] == first[wait]
+    assert len(stalls) == 18  # 19 stall metrics less "selected"
 
 
 def test_ncu_sections_skips_what_is_not_a_metric():
@@ -70,6 +73,117 @@ def test_v7_timeline_keeps_the_kernels_dependencies(softmax):
             assert b.start >= a.end - 1e-12
 
 
+def test_mbarrier_model_completes_a_phase_on_arrivals_and_bytes():
+    bar = viz.MBarrier(1)
+    # fresh: the phase "before 0" (parity 1) counts as completed
+    assert bar.try_wait(1) and not bar.try_wait(0)
+    assert bar.ready(1) == (0.0, None) and bar.ready(0) is None
+    bar.arrive(1.0, "producer", expect_tx=300)  # the arrival is in ...
+    bar.complete_tx(100, 2.0, "TMA")
+    assert not bar.try_wait(0)  # ... but 200 bytes are still missing
+    bar.complete_tx(200, 1.5, "TMA")
+    assert bar.phase == 1 and bar.try_wait(0) and not bar.try_wait(1)
+    assert bar.ready(0) == (2.0, "TMA")  # when its last byte landed
+    consumers = viz.MBarrier(256)
+    consumers.arrive(3.0, "warpgroup 1", arrivals=128)
+    assert consumers.phase == 0
+    consumers.arrive(2.0, "warpgroup 0", arrivals=128)
+    assert consumers.ready(0) == (3.0, "warpgroup 1")
+    consumers.arrive(4.0, arrivals=200)
+    with pytest.raises(ValueError, match="arrivals"):
+        consumers.arrive(4.0, arrivals=100)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_v8_program_reads_the_kernels_stages_and_parities(d):
+    from flashlab.gpu import forward_v8
+
+    tiles = 6
+    program = viz.v8_program(tiles, d)
+    names = viz.v8_barrier_names()
+    assert set(program) == {"producer", "warpgroup 0", "warpgroup 1"}
+    for steps in program.values():  # one block barrier, before any wait
+        kinds = [s.what for s in steps]
+        assert kinds.count("barrier") == 1
+        assert kinds.index("barrier") < kinds.index("wait")
+    producer = program["producer"]
+    inits = {names[s.bar]: s.value for s in producer if s.what == "init"}
+    assert len(inits) == 9 and inits["Q full"] == inits["K full 1"] == 1
+    assert inits["V empty 0"] == forward_v8.CONSUMERS
+    panels = d // forward_v8.PANEL
+    for tensor, n in (("Q", 1), ("K", tiles), ("V", tiles)):
+        loads = [s for s in producer if s.what == "load"
+                 and s.value[0] == tensor]
+        assert len(loads) == n * panels
+    # every expect_tx counts the bytes of the boxes that follow it
+    expects = [k for k, s in enumerate(producer) if s.what == "expect"]
+    for a, b in zip(expects, expects[1:] + [len(producer)]):
+        boxes = [s for s in producer[a + 1:b] if s.what == "load"]
+        assert sum(s.value[1] for s in boxes) == producer[a].value
+        assert {s.bar for s in boxes} == {producer[a].bar}
+    # tile n: stage n % 2; consumers wait on phase (n // 2) % 2 of its
+    # full barrier, the producer on the other parity of its empty one
+    waits = [(names[s.bar], s.value) for s in producer if s.what == "wait"]
+    assert waits == [(f"{x} empty {n % 2}", 1 - (n // 2) % 2)
+                     for n in range(tiles) for x in "KV"]
+    for g in range(2):
+        steps = program[f"warpgroup {g}"]
+        waits = [(names[s.bar], s.value) for s in steps
+                 if s.what == "wait" and names[s.bar].startswith("K")]
+        assert waits == [(f"K full {n % 2}", (n // 2) % 2)
+                         for n in range(tiles)]
+        issued = [s.value for s in steps if s.what == "issue S"]
+        assert issued == [n % 2 for n in range(tiles)]
+        assert [names[s.bar] for s in steps if s.what == "arrive"][:3] == [
+            "K empty 0", "K empty 1", "V empty 0"]
+
+
+@pytest.mark.parametrize("costs", [None, {"box": 2.0}, {"softmax": 2.5},
+                                   {"S": 0.5, "PV": 2.0, "box": 0.1}])
+def test_v8_timeline_keeps_the_handoffs(costs):
+    tiles = 5
+    spans, handoffs = viz.v8_timeline(viz.v8_program(tiles), costs)
+    copies = {(s.what, s.tile): s for s in spans if s.who == "TMA"}
+    assert set(copies) == {("Q", 0)} | {(x, j) for x in "KV"
+                                        for j in range(tiles)}
+    for unit in ("TMA", "tensor cores"):  # each unit runs one at a time
+        busy = sorted((s for s in spans if s.who == unit),
+                      key=lambda s: s.start)
+        for a, b in zip(busy, busy[1:]):
+            assert b.start >= a.end - 1e-12
+    products = {(s.what, s.group, s.tile): s for s in spans
+                if s.who == "tensor cores"}
+    assert len(products) == 2 * 2 * tiles
+    for g in range(2):
+        for j in range(tiles):
+            # a product starts after its tiles landed ...
+            assert products["S", g, j].start >= copies["K", j].end - 1e-12
+            assert products["S", g, j].start >= copies["Q", 0].end - 1e-12
+            assert products["PV", g, j].start >= copies["V", j].end - 1e-12
+            if j >= 2:  # ... and a copy after both products of the stage
+                # it overwrites are done reading it
+                assert copies["K", j].start >= products["S", g, j - 2].end
+                assert copies["V", j].start >= products["PV", g,
+                                                         j - 2].end
+    assert all(h.resumed >= h.ready for h in handoffs)
+    for h in handoffs:  # full: TMA hands over; empty: the consumers
+        if h.source is not None:
+            assert (h.source == "TMA") == ("full" in h.bar)
+            assert (h.waiter == "producer") == ("empty" in h.bar)
+
+
+def test_v8_model_stops_on_a_wrong_parity():
+    # the producer waiting on the parity of its consumers: its first
+    # wait needs the consumers to free a stage they never got
+    program = viz.v8_program(3)
+    steps = program["producer"]
+    k = next(k for k, s in enumerate(steps) if s.what == "wait")
+    steps[k] = steps[k]._replace(value=1 - steps[k].value)
+    with pytest.raises(ValueError, match="producer waits on K empty 0 "
+                                         "parity 0"):
+        viz.v8_timeline(program)
+
+
 def test_owners_are_the_fragment_places():
     acc, a = viz.wgmma_owners(64), viz.wgmma_owners()
     assert np.array_equal(np.bincount(acc.ravel()), np.full(128, 32))
@@ -99,6 +213,7 @@ def test_figures_draw():
                     measured.text("hopper_profile_h200.txt"))),
                 viz.hopper_bench(rows, impls, (1024, 4096, 16384)),
                 viz.ladder_figure(measured.record(
-                    "hopper_ladder_h200.json"))):
+                    "hopper_ladder_h200.json")),
+                viz.v8_figure(*viz.v8_timeline(viz.v8_program()))):
         assert fig.axes
         plt.close(fig)
