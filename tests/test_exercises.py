@@ -185,6 +185,25 @@ def test_chapter12_answers_match_the_kernel_and_the_model():
     assert fragments.descriptor_fields(desc) == (0x12340, 128, 2048)
 
 
+def test_chapter12_parities_are_the_ones_forward_v8_waits_on():
+    # the worked answer against the kernel's own waits, read from its
+    # source: consumers on K full of tile n, the producer on K empty
+    from flashlab import viz
+
+    tiles = 7
+    program = viz.v8_program(tiles)
+    names = viz.v8_barrier_names()
+
+    def waits(role, prefix):
+        return [s.value for s in program[role] if s.what == "wait"
+                and names[s.bar].startswith(prefix)]
+
+    got = exercises.solution("wait_parity")(np.arange(tiles), 2)
+    assert got[:, 0].tolist() == waits("warpgroup 0", "K full")
+    assert got[:, 0].tolist() == waits("warpgroup 1", "K full")
+    assert got[:, 1].tolist() == waits("producer", "K empty")
+
+
 def test_chapter12_a_near_miss_fails():
     # one register off, one slot off, one field off: each is refused
     def register_off(i, j):

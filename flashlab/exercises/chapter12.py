@@ -182,3 +182,80 @@ register("accumulator_register", Exercise(
       "lane", _accumulator_no_warp),
      ("in C, registers 0 and 1 are the column pair of row G and 2, 3 that "
       "of row G + 8", _accumulator_a_order))))
+
+# --------------------------------------------------------- wait_parity
+
+
+def _model_parities(n, stages):
+    """(consumer, producer) parity for tile n, found on viz.MBarrier: the
+    one a wait fails on before the tile's phase completes and passes on
+    after it (full), and the one that passes once the stage's previous
+    tile is released (empty)."""
+    from flashlab.viz import MBarrier
+
+    full, empty = MBarrier(1), MBarrier(1)
+    for _ in range(n // stages):  # the stage's earlier tiles, done
+        full.arrive()
+        empty.arrive()
+    consumer = next(p for p in (0, 1) if not full.try_wait(p))
+    full.arrive()  # tile n lands
+    assert full.try_wait(consumer)
+    producer = next(p for p in (0, 1) if empty.try_wait(p))
+    return consumer, producer
+
+
+def _cases_wait_parity(rng):
+    out = []
+    for name, n, stages in (
+            ("v8's two stages, tiles 0-11", np.arange(12), 2),
+            ("one stage, tiles 0-5", np.arange(6), 1),
+            ("three stages, random tiles",
+             np.sort(rng.integers(0, 60, 12)), 3),
+            ("four stages, tiles past 100",
+             np.sort(rng.integers(100, 400, 10)), 4)):
+        want = np.array([_model_parities(int(x), stages) for x in n])
+        out.append(Case(name, (n, stages), want))
+    return out
+
+
+def wait_parity(n, stages):
+    """Chapter 12: (consumer, producer) mbarrier parities for K/V tiles n
+    in a ring of `stages` stages.
+
+    Tile n uses stage n % stages for the (n // stages)-th time: the
+    consumers wait for that phase of the stage's full barrier, parity
+    (n // stages) % 2; the producer, before copying it, waits for the
+    phase before it of the stage's empty barrier, the other parity (on a
+    fresh barrier, parity 1 passes at once).
+    """
+    phase = (n // stages) % 2
+    return np.stack([phase, 1 - phase], -1)
+
+
+def _parity_of_tile(n, stages):
+    return np.stack([n % 2, 1 - n % 2], -1)
+
+
+def _parity_same(n, stages):
+    phase = (n // stages) % 2
+    return np.stack([phase, phase], -1)
+
+
+def _parity_not_a_bit(n, stages):
+    phase = n // stages
+    return np.stack([phase, 1 - phase], -1)
+
+
+register("wait_parity", Exercise(
+    12, "wait_parity(n (m,), stages) -> int array (m, 2): the parity the "
+    "consumers wait on for K/V tile n (its stage's full barrier) and the "
+    "one the producer waits on before copying it (its empty barrier)",
+    _cases_wait_parity, wait_parity,
+    (("a barrier belongs to a stage: tile n is its stage's pass "
+      "n // stages, so the phase is (n // stages) % 2, not n % 2",
+      _parity_of_tile),
+     ("the producer waits for the consumers' previous pass over the "
+      "stage, one phase back: the other parity (a fresh barrier passes "
+      "parity 1 at once)", _parity_same),
+     ("a parity is one bit: take the pass number modulo 2",
+      _parity_not_a_bit))))
