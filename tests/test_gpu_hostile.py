@@ -131,18 +131,22 @@ def test_the_saved_lse_alone_gives_wrong_gradients_there(rng):
     assert max_abs_err(dv, 10 * want[2]) < 1e-4 * np.abs(want[2]).max()
 
 
-@pytest.mark.parametrize("d", [16, 96])  # blocked and one thread per row
-def test_lossy_rows_among_ordinary_ones(rng, d):
+@pytest.mark.parametrize("d, opts", [
+    (16, dict(causal=True)),  # register-blocked kernels
+    (96, dict(causal=True)),  # one thread per row
+    (16, dict(dropout_p=0.3, seed=7, window=(30, 5))),
+])
+def test_lossy_rows_among_ordinary_ones(rng, d, opts):
     # a few rows of scores 2**17 + n, n = 0..3 (exact in float32; |lse|
     # >= 64: recomputed), the others ordinary (the saved lse, bit for
-    # bit), a causal mask and grouped heads: gradients as tiled's float64
+    # bit), masks, dropout and grouped heads: gradients as tiled's float64
     q, k, v = qkv(rng, (1, 4), 40, 40, d, 16, dtype=np.float32)
     k, v = k[:, :2], v[:, :2]  # 2 K/V heads for 4 query heads
     big = np.zeros(d, np.float32)
     big[0] = 2.0**17
     q[0, 1, [3, 17, 31]] = big  # query head 1: K/V head 0
     k[0, 0, :, 0] = 1 + rng.integers(0, 4, 40) * 2.0**-17
-    kw = dict(scale=1.0, causal=True)
+    kw = dict(scale=1.0, **opts)
     o, lse = tiled.attention(q, k, v, return_lse=True, **kw)
     stats = statistics(q, k, lse, **kw).reshape(2, 1, 4, 40)
     lossy = np.abs(lse) >= device.LSE_EXACT
