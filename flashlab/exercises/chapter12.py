@@ -198,8 +198,9 @@ def _model_parities(n, stages):
         full.arrive()
         empty.arrive()
     consumer = next(p for p in (0, 1) if not full.try_wait(p))
-    full.arrive()  # tile n lands
-    assert full.try_wait(consumer)
+    full.arrive()  # tile n lands: now that wait passes
+    if not full.try_wait(consumer):
+        raise RuntimeError("MBarrier: a completed phase did not pass")
     producer = next(p for p in (0, 1) if empty.try_wait(p))
     return consumer, producer
 
