@@ -28,7 +28,8 @@ HEAD_DIMS = {"float32": (16, 64, 96, 128), "bfloat16": (64, 128),
 # 16-bit unit roundoff: P and dS enter their products rounded to 16 bits
 # (u/2 each) and O is stored in 16 bits (u/2 of |O|); sums of at most 9
 # such terms of values of order one, and dQ, dK's cancelling sums, stay
-# within 8 u of the largest value
+# within 8 u of the largest value. The backward's D = rowsum(dO o O) of
+# the stored O is off by up to u/2 sum |dO| |O| (`d_slack`)
 UNIT = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
@@ -56,6 +57,21 @@ def tolerance(case, q, k, v, do, scale):
     s_abs = tau * np.abs(q).max() * np.abs(k).max() * q.shape[-1]
     big = max(1.0, *(float(np.abs(x).max(initial=0)) for x in (q, k, v, do)))
     return 2e-5 + 8 * 2.0**-20 * s_abs * big**3 * max(1.0, tau)
+
+
+def d_slack(case, q, k, o, do, scale, p):
+    """Absolute error that D's 16-bit O adds to dq and dk (0 for o, dv):
+    D_i moves dS_ij by P_ij Z_ij times its error, P Z summing to at most
+    1 / (1 - p) over keys, and dS meets tau |K| in dQ, tau |Q| (L rows)
+    in dK."""
+    if case["gpu_dtype"] == "float32":
+        return dict(o=0.0, dq=0.0, dk=0.0, dv=0.0)
+    tau = scale if scale is not None else 1 / np.sqrt(q.shape[-1])
+    err_d = UNIT[case["gpu_dtype"]] / 2 * float(
+        (np.abs(do) * np.abs(o)).sum(-1).max(initial=0)) / (1 - p)
+    return dict(o=0.0, dv=0.0,
+                dq=tau * err_d * float(np.abs(k).max(initial=0)),
+                dk=tau * err_d * case["L"] * float(np.abs(q).max(initial=0)))
 
 
 @settings(max_examples=60, deadline=None, print_blob=True,
@@ -94,12 +110,14 @@ def test_attention_on_cuda_matches_sdpa_math(case):
                 *ts, attn_mask=m64, **kw)
     do64 = dot.cpu().double()
     want = [want, *torch.autograd.grad(want, ts, do64)]
-    tol = tolerance(case, *(t.detach().numpy() for t in ts),
-                    do64.numpy(), kw["scale"])
+    q64, k64, v64 = (t.detach().numpy() for t in ts)
+    tol = tolerance(case, q64, k64, v64, do64.numpy(), kw["scale"])
+    slack = d_slack(case, q64, k64, want[0].detach().numpy(), do64.numpy(),
+                    kw["scale"], p)
     for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
         g, w = g.detach().double().cpu().numpy(), w.detach().numpy()
         assert g.shape == w.shape, (name, g.shape, w.shape)
         assert np.isfinite(w).all()  # legal arguments: SDPA is finite
         scale = max(1.0, float(np.abs(w).max()))
-        err = float(np.abs(g - w).max()) / scale if g.size else 0.0
-        assert err < tol, (name, err, tol)
+        err = float(np.abs(g - w).max()) if g.size else 0.0
+        assert err <= tol * scale + slack[name], (name, err, tol, slack)
