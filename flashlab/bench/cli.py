@@ -35,6 +35,9 @@ def main(argv=None):
                                  description=bench.__doc__.split("\n")[0])
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU")
     ap.add_argument("--cpu", action="store_true", help="run the CPU bench")
+    ap.add_argument("--cpu-ladder", action="store_true",
+                    help="the commits that built the CPU softmax, each in "
+                         "a fresh process (a git checkout; cpu_ladder.json)")
     ap.add_argument("--quick", action="store_true",
                     help="N = 1024 and 4096 only, fewer repetitions")
     ap.add_argument("--versions", default="1,2,3,4",
@@ -69,6 +72,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     print("machine:", report.machine())
+    if args.cpu_ladder:
+        rows = cpu.ladder()
+        cpu.write_ladder(args.out, rows)
+        return rows
     if args.ceilings:
         roofs = extras.gpu_ceilings()
         print(f"ceilings: float32 matmul {roofs['fp32_tflops']:.1f} TFLOP/s,"
