@@ -149,8 +149,12 @@ def test_rows_of_equal_huge_scores_get_the_forward_s_gradient(rng, value):
     o, lse = tiled.attention(q, k, v, return_lse=True, **kw)
     p_lse = np.exp(q[..., 0].astype(np.float64) - lse)  # exp(S - lse)
     assert np.abs(10 * p_lse - 1).max() > 0.1  # lse lost log 10
-    do = rng.standard_normal(o.shape).astype(np.float32)
+    # dO small enough that dK = tau dS^T Q (Q up to 3e38) stays inside
+    # float32's range: the gradients themselves must be representable
+    do = rng.standard_normal(o.shape).astype(np.float32) / 16
     want = reference_grads(q, k, v, do, 0.5)
+    assert all(np.abs(w).max() < 0.5 * np.finfo(np.float32).max
+               for w in want)
     check(backward32(q, k, v, o, lse, do, **kw), want)
 
 
@@ -209,9 +213,6 @@ def test_row_statistics_are_the_rows_max_and_sum(rng):
     assert np.all(stats[1][~lossy] == 1)
 
 
-@pytest.mark.xfail(strict=True, reason="flashlab.gpu.host still passes the "
-                   "saved lse to the backward kernels, not row_statistics' "
-                   "stats (the host's launch sequence changes with them)")
 def test_the_torch_op_on_the_gpu_path_has_the_forward_s_gradient(rng):
     # end to end through flashlab.gpu.attention_backward
     from flashlab import gpu

@@ -296,24 +296,36 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     vk = call.to_kernel(v, (call.bh_kv, nk, d_v))
     ok = call.to_kernel(o, (bh, nq, d_v))
     dok = call.to_kernel(do, (bh, nq, d_v))
-    lsek = call.to_kernel(lse, (bh, nq))
+    rows = (math.ceil(nq / device.THREADS), bh)
+    stats_k = _statistics(call, "row_statistics", qk, kk, lse, rows)
     delta, delta_k = call.empty((bh, nq))
-    kernel("row_dot", 0, 0)[(math.ceil(nq / device.THREADS), bh),
-                            device.THREADS, call.stream](dok, ok, delta_k)
+    kernel("row_dot", 0, 0)[rows, device.THREADS, call.stream](
+        dok, ok, delta_k)
     dq, dq_k = call.empty((bh, nq, d))
     # dK, dV per query head; a K/V head's is the sum over its group
     dk, dk_k = call.empty((bh, nk, d))
     dv, dv_k = call.empty((bh, nk, d_v))
     kernel(kv_tr.name, d, d_v)[
         (math.ceil(nk / kv_tr.br), bh), kv_tr.threads, call.stream](
-        qk, kk, vk, dok, lsek, delta_k, dk_k, dv_k, *call.args)
+        qk, kk, vk, dok, stats_k, delta_k, dk_k, dv_k, *call.args)
     kernel(q_tr.name, d, d_v)[
         (math.ceil(nq / q_tr.br), bh), q_tr.threads, call.stream](
-        qk, kk, vk, dok, lsek, delta_k, dq_k, *call.args)
+        qk, kk, vk, dok, stats_k, delta_k, dq_k, *call.args)
     dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _statistics(call, name, q_k, k_k, lse, rows):
+    """The backward kernels' row statistics (2 BH, Nq) on the device:
+    shifts and norms of P, by helper kernel `name` (device.row_statistics
+    or a 16-bit twin) from the saved lse."""
+    stats, stats_k = call.empty((2 * call.bh, call.nq))
+    kernel(name, 0, 0)[rows, device.THREADS, call.stream](
+        q_k, k_k, call.to_kernel(lse, (call.bh, call.nq)), stats_k,
+        *call.args)
+    return stats_k
 
 
 def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
@@ -328,14 +340,15 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     # D_i = rowsum(dO_i o O_i) in float32, by the array library
     widen = call.arrays.widen
     delta = (widen(do) * widen(o)).sum(-1).reshape(bh, nq)
-    lse32 = lse.reshape(bh, nq)
-    arrays = [call.to_kernel(q, (bh, nq, d)),
-              call.to_kernel(k, (call.bh_kv, nk, d)),
-              call.to_kernel(v, (call.bh_kv, nk, d_v)),
-              call.to_kernel(do, (bh, nq, d_v)),
-              call.to_kernel(lse32, (bh, nq)), call.to_kernel(delta,
-                                                              (bh, nq))]
     kind = "bf16" if dtype == "bfloat16" else "f16"
+    q_k = call.to_kernel(q, (bh, nq, d))
+    k_k = call.to_kernel(k, (call.bh_kv, nk, d))
+    stats_k = _statistics(call, f"row_statistics_{kind}", q_k, k_k,
+                          lse.reshape(bh, nq),
+                          (math.ceil(nq / device.THREADS), bh))
+    arrays = [q_k, k_k, call.to_kernel(v, (call.bh_kv, nk, d_v)),
+              call.to_kernel(do, (bh, nq, d_v)), stats_k,
+              call.to_kernel(delta, (bh, nq))]
     dq, dq_k = call.empty((bh, nq, d))
     dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
     dv, dv_k = call.empty((bh, nk, d_v))
@@ -752,10 +765,13 @@ class _BackwardPlan:
             *(x.view(torch.int32).view(self.rows) for x in (do, o)),
             self._delta(q))
         self.row_grid = (math.ceil(nq / device.THREADS), bh)
+        self.statistics = kernel(f"row_statistics_{kind}", 0, 0).pack(
+            bits[0].view(bh, nq, d), bits[1].view(call.bh_kv, nk, d),
+            lse.view(bh, nq), self._stats(q), *call.args)
         inputs = [bits[0].view(bh, nq, d),
                   bits[1].view(call.bh_kv, nk, d),
                   bits[2].view(call.bh_kv, nk, d_v),
-                  bits[3].view(bh, nq, d_v), lse.view(bh, nq),
+                  bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
         dq, dk, dv = self._grads(q)
         self.dkv = kernel(f"backward_v5_dkv_{kind}", d, d_v).pack(
@@ -769,6 +785,13 @@ class _BackwardPlan:
 
         return torch.empty(self.rows[:2], dtype=torch.float32,
                            device=q.device)
+
+    def _stats(self, q):
+        """Room for the rows' shifts and norms, float32 (2 BH, Nq)."""
+        import torch
+
+        return torch.empty((2 * self.rows[0], self.rows[1]),
+                           dtype=torch.float32, device=q.device)
 
     def _grads(self, q):
         """Fresh float32 dq and per-query-head dk, dv."""
@@ -789,7 +812,11 @@ class _BackwardPlan:
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.row_grid, device.THREADS, stream)
-        inputs = (q, k, v, do, lse, delta)
+        stats = self._stats(q)
+        for arg, x in enumerate((q, k, lse, stats)):
+            self.statistics.point(arg, x.data_ptr())
+        self.statistics.launch(self.row_grid, device.THREADS, stream)
+        inputs = (q, k, v, do, stats, delta)
         for packed, outs in ((self.dkv, (dk, dv)), (self.dq, (dq,))):
             for arg, x in enumerate((*inputs, *outs)):
                 packed.point(arg, x.data_ptr())
