@@ -142,7 +142,7 @@ def test_torch_round_trip_in_place_and_aligned(dtype):
         assert view.dtype == torch.int16
         assert torch.equal(view.view(x.dtype).view(x.shape), x)
     # a view starting 2 bytes in: copied to a 16-byte-aligned start
-    offset = x.reshape(-1)[1:1 + 6 * 33 * 64 - 64].view(6, 33 * 64 - 64)
+    offset = x.reshape(-1)[1:1 + 6 * (33 * 64 - 64)].view(6, 33 * 64 - 64)
     if dtype == "bfloat16":
         assert arrays.to_kernel(offset, offset.shape).data_ptr() % 16 == 0
     out, out_view = arrays.empty((6, 33, 64), dtype, poison=True)

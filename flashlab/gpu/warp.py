@@ -44,11 +44,15 @@ LN2 = np.float32(math.log(2.0))
 # are the same bits wherever the first form is finite, and h is finite
 # for every finite s tau and shift (at most 3.4e38 log2 e / 2 = 2.45e38)
 HALF_LOG2E = np.float32(math.log2(math.e) / 2)  # exactly LOG2E / 2
-# Up to this |shift| (natural units), shift log2 e is finite and so is s
-# tau log2 e of every score s tau <= shift: exp(s tau - shift) is one FMA
-# and one exp2. Beyond it (scores near the float32 limit, 3.4e38 / log2 e
-# = 2.36e38) the row's scores are shifted first, and its shift is then 0
-WIDE = np.float32(2.0**127)
+# Up to this |shift| (natural units), exp(s tau - shift) is one FMA and
+# one exp2: s tau log2 e - shift log2 e, with shift log2 e rounded to
+# float32. That rounding is half an ulp of |shift| log2 e <= 5909, 2**-12,
+# an error of at most 2**-12 ln 2 (0.017%) in P, below a 16-bit output's
+# rounding; it grows with the shift (at |shift| = 1e19 it is 2**38 and P
+# overflows). Beyond it the row's scores are shifted first (exact where
+# they matter: near the shift) and its shift is then 0, which also keeps
+# scores near the float32 limit finite
+WIDE = np.float32(2.0**12)
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in a shuffle
 
 swizzle = cuda.jit(device=True)(fragments.swizzle)
