@@ -22,7 +22,9 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt",
          "decode_h200.csv", "ring_h200x2.json", "launch_h200.json",
          "gpt_h200.csv", "hopper_h200.csv", "hopper_h200.json",
-         "hopper_profile_h200.txt", "hopper_ladder_h200.json")
+         "hopper_profile_h200.txt", "hopper_ladder_h200.json",
+         "cpu_ladder.json", "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
+         "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv")
 
 
 def text(name):

@@ -147,10 +147,10 @@ def _check_ratios(rows, key="ms", half_unit=5e-5, baseline="torch sdpa"):
 
 
 def test_cpu_suite_writes_its_columns_and_ratios(tmp_path):
-    suite = cpu.suite(reps=1, n=64, b=1, h=2, d=16, threads=1)
+    suite = cpu.suite(reps=1, sizes=(64,), b=1, h=2, d=16, threads=1)
     rows = cli.measure(suite, str(tmp_path))
     _check_csv(tmp_path / "bench.csv", rows, report.FIELDS)
-    assert len(rows) == 12  # 2 x (4 forward + 2 backward)
+    assert len(rows) == 16  # 2 x (5 forward + 3 backward)
     assert {r["device"] for r in rows} == {"cpu x1"}
     assert [r["vs_torch"] for r in rows if r["impl"] == "torch sdpa"] == [
         1.0] * 4
@@ -312,3 +312,9 @@ def test_hopper_ladder_changes_one_thing_per_step():
                         (7, True, True), (8, True, True)]
     assert switches[-1][1:] == (launch.WHOLE_PROGRAM, forward_v7.SWIZZLE)
     compile(hopper._STEP, "ladder step", "exec")
+
+
+def test_cpu_machine_names_the_blas_kernels():
+    m = cpu.machine()
+    assert m["cores"] >= 1 and m["cpu"]
+    assert all(b["kernels"] for b in m["blas"])  # e.g. SkylakeX, Haswell
