@@ -64,14 +64,24 @@ def _blas_gemm(trans_a, trans_b, m, n, k, alpha, a, b, beta, c):
     row contiguous), all of one dtype, float32 or float64."""
     ta = TRANS if trans_a else NO_TRANS
     tb = TRANS if trans_b else NO_TRANS
-    lda, ldb, ldc = a.strides[0], b.strides[0], c.strides[0]
     size = c.itemsize
+    lda, ldb, ldc = _ld(a, size), _ld(b, size), _ld(c, size)
     if size == 4:  # float32
-        _sgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes, lda // size,
-               b.ctypes, ldb // size, beta, c.ctypes, ldc // size)
+        _sgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes, lda,
+               b.ctypes, ldb, beta, c.ctypes, ldc)
     else:
-        _dgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes, lda // size,
-               b.ctypes, ldb // size, beta, c.ctypes, ldc // size)
+        _dgemm(ROW_MAJOR, ta, tb, m, n, k, alpha, a.ctypes, lda,
+               b.ctypes, ldb, beta, c.ctypes, ldc)
+
+
+@njit
+def _ld(x, size):
+    """BLAS's leading dimension of row-major x: its row stride, or for a
+    single row, whose stride numpy leaves free (a C-contiguous array may
+    carry stride 0 there, from a broadcast), its width."""
+    if x.shape[0] > 1:
+        return x.strides[0] // size
+    return max(x.shape[1], 1)
 
 
 @njit

@@ -36,3 +36,16 @@ def test_found_numpys_openblas():
     # the course's numpy wheels ship it; elsewhere gemm is loop_gemm
     assert blas.available
     assert blas.gemm is not blas.loop_gemm
+
+
+def test_a_single_row_with_a_free_stride_is_multiplied():
+    # numpy leaves a one-row array's row stride free: a C-contiguous
+    # broadcast view carries 0 there, which BLAS refuses as a leading
+    # dimension (the drop-in hit it with L = S = E = 1 and grouped heads)
+    a = np.lib.stride_tricks.as_strided(np.array([[2.0]], np.float32),
+                                        (1, 1), (0, 4))
+    b = np.array([[3.0, -1.0]], np.float32)
+    c = np.full((1, 2), np.nan, np.float32)
+    assert a.flags.c_contiguous and a.strides[0] == 0
+    blas.gemm(False, False, 1, 2, 1, 1.0, a, b, 0.0, c)
+    assert np.array_equal(c, [[6.0, -2.0]])
