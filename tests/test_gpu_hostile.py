@@ -225,32 +225,45 @@ def test_the_torch_op_on_the_gpu_path_has_the_forward_s_gradient(rng):
 
 
 
-def test_half_exponents_are_the_whole_ones_and_do_not_overflow(rng):
-    # the backward's exp2(h + h), h = s tau log2(e)/2 - shift log2(e)/2
-    # (warp.HALF_LOG2E), in float32 as the kernels round: the same bits
-    # as s tau log2 e - shift log2 e wherever that is finite, and finite
-    # for scores up to the float32 limit, where that is not
+def test_backward_exponents_are_the_forwards_and_exact_when_wide(rng):
+    # backward_v5.p_of's exponent, (s tau - sub) log2 e - sl with one FMA,
+    # modelled in float32 (the FMA: an exact product, one rounding):
+    # where |shift| <= WIDE it is the forward's own s tau log2 e - shift
+    # log2 e; beyond, the scores are shifted first, so equal huge scores
+    # give exponent 0 (P = 1) where the folded form erred by 2**38
     f = np.float32
-    assert warp.HALF_LOG2E * f(2) == warp.LOG2E
+
+    def fma(a, b, c):
+        return (a.astype(np.float64) * b - c).astype(f)
+
+    def exponent(s, tau, shift):
+        wide = np.abs(shift) > warp.WIDE
+        sub = np.where(wide, shift, f(0)).astype(f)
+        sl = np.where(wide, f(0), shift * warp.LOG2E).astype(f)
+        return fma((s * tau).astype(f) - sub, warp.LOG2E, sl)
+
     tau = f(0.125)
     s = rng.standard_normal(10**5).astype(f) * f(1e3)
-    shift = s.max() + rng.random(10**5).astype(f)
-    half = s * (tau * warp.HALF_LOG2E) - shift * warp.HALF_LOG2E
-    whole = s * (tau * warp.LOG2E) - shift * warp.LOG2E
-    assert np.array_equal(half + half, whole)
-    big = np.array([3.0e38, 2.5e38, 2.9e38, -3.0e38], f)
-    with np.errstate(over="ignore", invalid="ignore"):
-        h = big * warp.HALF_LOG2E - big[0] * warp.HALF_LOG2E
-        whole = big * warp.LOG2E - big[0] * warp.LOG2E
-    assert np.isfinite(h[:3]).all() and h[0] == 0  # P = 1, 0, 0
-    assert np.isnan(whole[0])  # inf - inf: what the kernels once did
-    assert h[3] == -np.inf  # 6e38 below the max: P = exp2(-inf) = 0
+    shift = (s.max() * tau + rng.random(10**5)).astype(f)
+    forward = fma((s * tau).astype(f), warp.LOG2E, shift * warp.LOG2E)
+    assert np.array_equal(exponent(s, tau, shift), forward)
+    for huge in (1.8e7, -3.0e38, 6.0e4, 3.0e38):
+        s = np.full(10, huge, f)
+        shift = (s * f(1)).astype(f)  # the row's max, as the forward's
+        assert np.all(exponent(s, f(1), shift) == 0), huge
+        with np.errstate(over="ignore", invalid="ignore"):
+            folded = fma(s, warp.LOG2E, shift * warp.LOG2E)
+        assert huge < 4096 or not np.all(folded == 0)
+    big = np.array([3.0e38, 2.5e38, -3.0e38], f)
+    with np.errstate(over="ignore"):
+        e = exponent(big, f(1), big[0])
+    assert e[0] == 0 and e[1] < -1e37 and e[2] == -np.inf  # P = 1, 0, 0
 
 
-def backward16(q, k, v, o, lse, do, **opts):
-    """backward_v5's (dq, dk, dv) of 16-bit q, k, v, o, do (numpy float16
-    or torch CUDA tensors), launched as the host launches them, with
-    row_statistics_<kind>'s stats."""
+def backward16(q, k, v, o, lse, do, version=5, **opts):
+    """backward_v<version>'s (dq, dk, dv) of 16-bit q, k, v, o, do (numpy
+    float16 or torch CUDA tensors), launched as the host launches them,
+    with row_statistics_<kind>'s stats."""
     call = call_of(q, k, v, opts)
     bh, nq, nk, d, d_v = call.bh, call.nq, call.nk, q.shape[-1], v.shape[-1]
     kind = "bf16" if "bfloat16" in str(q.dtype) else "f16"
@@ -270,7 +283,7 @@ def backward16(q, k, v, o, lse, do, **opts):
     dk, dk_k = call.empty((bh, nk, d))
     dv, dv_k = call.empty((bh, nk, d_v))
     for part, n, outs in (("dkv", nk, (dk_k, dv_k)), ("dq", nq, (dq_k,))):
-        tr = traits.traits(f"backward_v5_{part}_{kind}", d, d_v)
+        tr = traits.traits(f"backward_v{version}_{part}_{kind}", d, d_v)
         kernel(tr.name, d, d_v)[(math.ceil(n / tr.br), bh), tr.threads,
                                 call.stream](*inputs, *outs, *call.args)
     dk, dv = call.group_sum(dk), call.group_sum(dv)
@@ -301,18 +314,23 @@ KNOWN = pytest.mark.xfail(
 
 @KNOWN
 @pytest.mark.gpu
+@pytest.mark.parametrize("version", [5, 7])
 @pytest.mark.parametrize("dtype, value, tau", [
     ("bfloat16", 1.8e7, 0.5), ("bfloat16", -3.0e38, 1.0),
     ("float16", 6.0e4, 0.5)])
-def test_v5_backward_rows_of_equal_huge_scores(rng, dtype, value, tau):
-    # the tensor-core backward with row_statistics_<kind>: the gradients
+def test_16bit_backward_rows_of_equal_huge_scores(rng, dtype, value, tau,
+                                                  version):
+    # the tensor-core backwards with row_statistics_<kind>: the gradients
     # of v5's own forward, P = 1/10 in every row (half_grads' budget)
+    from test_gpu_tensor_cores import backward_version
+
     from flashlab import gpu
+    version = backward_version(version)
 
     q, k, v = to16(dtype, *equal_scores(rng, value, d=64, d_v=64, tau=tau))
     o, lse = gpu.attention(q, k, v, scale=tau, version=5, return_lse=True)
     do = to16(dtype, rng.standard_normal(o.shape).astype(np.float32))[0]
-    got = backward16(q, k, v, o, lse, do, scale=tau)
+    got = backward16(q, k, v, o, lse, do, version, scale=tau)
     check_half(got, *half_grads(*as64(q, k, v, o, do), tau, dtype))
 
 
@@ -344,11 +362,15 @@ def test_v5_forward_scores_beyond_the_fold_limit(rng, version):
 
 @KNOWN
 @pytest.mark.gpu
-def test_v5_backward_scores_beyond_the_fold_limit(rng):
-    # the same scores through backward_v5 (half_grads' budget: P is one
-    # at each row's largest key, so dS is float32's cancelling dP - D,
-    # times |K| and |Q| of 1.7e19)
+@pytest.mark.parametrize("version", [5, 7])
+def test_16bit_backward_scores_beyond_the_fold_limit(rng, version):
+    # the same scores through the tensor-core backwards (half_grads'
+    # budget: P is one at each row's largest key, so dS is float32's
+    # cancelling dP - D, times |K| and |Q| of 1.7e19)
+    from test_gpu_tensor_cores import backward_version
+
     from flashlab import gpu
+    version = backward_version(version)
 
     q, k, v = qkv(rng, (1, 2), 70, 90, 64, 64, dtype=np.float32)
     q[..., 0] = 1.7e19 * rng.choice([0.0, 1.0], (1, 2, 70))
@@ -356,7 +378,7 @@ def test_v5_backward_scores_beyond_the_fold_limit(rng):
     q, k, v = to16("bfloat16", q, k, v)
     o, lse = gpu.attention(q, k, v, scale=1.0, version=5, return_lse=True)
     do = to16("bfloat16", rng.standard_normal(o.shape).astype(np.float32))
-    got = backward16(q, k, v, o, lse, do[0], scale=1.0)
+    got = backward16(q, k, v, o, lse, do[0], version, scale=1.0)
     check_half(got, *half_grads(*as64(q, k, v, o, do[0]), 1.0, "bfloat16"))
 
 

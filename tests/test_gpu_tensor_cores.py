@@ -154,14 +154,27 @@ BACKWARD_CASES = CASES + [
 ]
 
 
+def backward_version(version):
+    """Skip where this GPU does not run the 16-bit backward `version`."""
+    from flashlab.gpu import launch, registry
+
+    if not registry.get(f"backward_v{version}_dq_bf16").runs_on(
+            launch.device_cc()):
+        pytest.skip(f"backward v{version} does not run on this GPU")
+    return version
+
+
+@pytest.mark.parametrize("version", [5, 7])
 @pytest.mark.parametrize("opts", BACKWARD_CASES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_v5_backward_against_float64(rng, opts, d, dtype):
-    # backward_v5 against tiled's float64 backward on the same 16-bit
-    # inputs; the scale of a fair error is torch's flash backward in the
-    # same dtype on the same inputs (causal or not; its kernels take no
-    # other mask, nor a causal one with Nq != Nk), as the torch test
+def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
+    # backward_v5 and v7 against tiled's float64 backward on the same
+    # 16-bit inputs; the scale of a fair error is torch's flash backward
+    # in the same dtype on the same inputs (causal or not; its kernels
+    # take no other mask, nor a causal one with Nq != Nk), as the torch
+    # test
+    version = backward_version(version)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -182,8 +195,10 @@ def test_v5_backward_against_float64(rng, opts, d, dtype):
     do = torch.tensor(rng.standard_normal((2, 2, 300, d)),
                       device="cuda").to(kind)
     o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
-    got = gpu.attention_backward(q, k, v, o, lse, do, **opts)
-    again = gpu.attention_backward(q, k, v, o, lse, do, **opts)
+    got = gpu.attention_backward(q, k, v, o, lse, do, version=version,
+                                 **opts)
+    again = gpu.attention_backward(q, k, v, o, lse, do, version=version,
+                                   **opts)
     x64 = [x.double().cpu().numpy() for x in (q, k, v, do)]
     o64, lse64 = tiled.attention(*x64[:3], return_lse=True, **opts)
     want = tiled.attention_backward(*x64[:3], o64, lse64, x64[3], **opts)

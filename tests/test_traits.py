@@ -84,10 +84,15 @@ def test_traits_agree_with_the_registry(spec):
 def test_dynamic_shared_memory_holds_the_tiles_make_lays_out(spec):
     # Q_i and two stages each of K_j and V_j (16-bit values), as the
     # kernel's make() sizes them; the PTX declares none of it
+    # (the backward's: its own rows' tiles and two stages of the other
+    # side's)
     for d, d_v in head_dims(spec):
         tiles = closed_over(spec, d, d_v)
-        need = traits.B16 * (tiles["Q_S"] + 2 * tiles["K_S"]
-                             + 2 * tiles["V_S"])
+        if "OWN_S" in tiles:
+            need = traits.B16 * (tiles["OWN_S"] + 2 * tiles["STAGE_S"])
+        else:
+            need = traits.B16 * (tiles["Q_S"] + 2 * tiles["K_S"]
+                                 + 2 * tiles["V_S"])
         tr = traits.traits(spec.name, d, d_v)
         # and at most 2 KiB more: room to align the tiles to 1024 bytes,
         # and v8's mbarriers

@@ -20,8 +20,9 @@ Each warp works through its (16, 64) tile of S and dP in column slices
 `stats` holds each row's shift and norm of P (`row_statistics_bf16`,
 `_f16`: the saved lse and 1, or the row's own max and 1 / sum where lse
 lost log l), or is the saved lse alone; the norm rides on D and the
-dropout weight. P's exponent S tau log2 e - shift log2 e is formed as
-twice its half, which overflows for no finite score.
+dropout weight. P's exponent is the forward's own (`row_terms`,
+`p_of`): S tau log2 e - shift log2 e, the scores shifted first in rows
+whose shift passes warp.WIDE, so equal huge scores give P's exact ones.
 
 Masks, padding and dropout follow `tiled`: a pair's rules are checked
 per element wherever a tile is not wholly allowed. Gradients accumulate
@@ -57,7 +58,8 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     BR,
-    HALF_LOG2E,
+    LOG2E,
+    WIDE,
     a_from_c,
     allowed_bits_of,
     at_step,
@@ -76,6 +78,35 @@ from flashlab.gpu.warp import (
 BC = BR  # keys per block (dK, dV) and per K/V tile (dQ)
 ROWS = BR  # the same as a literal for shared arrays
 HEAD_DIMS = (64, 128)  # as forward v5
+
+
+@inline
+def row_terms(stats, delta, b, i, nq, bh, drop_scale):
+    """(sub, sl, zn, dl) of query row i of head b (of bh): P / norm =
+    p_of(s, tau, sub, sl), the dropout's kept weight zn and D's term dl,
+    both times the row's norm. Rows past Nq, and empty rows (lse -inf:
+    no allowed pair, P is 0 whatever the shift) shift by nothing; NaN
+    stays NaN."""
+    sub, sl, zn, dl = F0, F0, F0, F0
+    if i < nq:
+        shift = stats[b, i]
+        if shift != NEG_INF:
+            if abs(shift) > WIDE:  # as warp.online_softmax: shift first
+                sub = shift
+            else:
+                sl = shift * LOG2E
+        norm = row_norm(stats, bh, b, i)
+        zn = drop_scale * norm
+        dl = delta[b, i] * norm
+    return sub, sl, zn, dl
+
+
+@inline
+def p_of(s, tau, sub, sl):
+    """P / norm of score s, exactly as the forward forms it: s tau rounded,
+    then one FMA with log2 e and one exp2 (sub = 0), or shifted first (sl
+    = 0) where the shift is wide."""
+    return ex2((s * tau - sub) * LOG2E - sl)
 
 
 def _load16(unpack):
@@ -204,7 +235,8 @@ def make_dq(D, D_V, kind="bf16"):
         kb = cuda.local.array(4, uint32)  # ldmatrix bases: K_j as B
         kt = cuda.local.array(4, uint32)  # K_j as B, read transposed
         vb = cuda.local.array(4, uint32)  # V_j as B
-        sh2 = cuda.local.array(2, float32)  # rows g, g + 8: shift log2 e / 2
+        sub = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
+        sl = cuda.local.array(2, float32)
         zn = cuda.local.array(2, float32)  # 1 / (1 - p) norm
         dl = cuda.local.array(2, float32)  # D norm
         t = cuda.threadIdx.x
@@ -228,17 +260,10 @@ def make_dq(D, D_V, kind="bf16"):
         load_a(qf, k_at, lane, 16 * w, KD, CQ)
         load_a(df, v_at, lane, 16 * w, KV, CV)
         for h in range(2):
-            i = row + 8 * h
-            # an empty row (lse -inf) has no allowed pair: its P is 0
-            # whatever the shift; NaN must stay NaN
-            sh2[h] = zn[h] = dl[h] = F0
-            if i < nq:
-                if stats[b, i] != NEG_INF:
-                    sh2[h] = stats[b, i] * HALF_LOG2E  # finite, always
-                norm = row_norm(stats, q.shape[0], b, i)
-                zn[h] = rules.drop_scale * norm
-                dl[h] = delta[b, i] * norm
-        scale2h = rules.scale * HALF_LOG2E
+            r0, r1, r2, r3 = row_terms(stats, delta, b, row + 8 * h, nq,
+                                       q.shape[0], rules.drop_scale)
+            sub[h], sl[h], zn[h], dl[h] = r0, r1, r2, r3
+        tau = rules.scale
         for n in range(NQ):
             for x in range(4):
                 gf[n, x] = F0
@@ -260,24 +285,17 @@ def make_dq(D, D_V, kind="bf16"):
                 lane_bases(vb, v_at + c0 * 16 * CV, b_row, b_chunk, CV)
                 # S = Q_i K_j^T and dP = dO_i V_j^T: (16, 8 NS) per warp
                 s_and_dp(sf, pf, qf, df, kb, vb, KD, KV, NS, CQ, CV)
-                # log2 of P / norm = S tau log2 e - shift log2 e, formed
-                # as twice its half (see `HALF_LOG2E`); the norm is in zn
-                # and dl
-                for n in range(NS):
-                    for x in range(4):
-                        e = sf[n, x] * scale2h - sh2[x >> 1]
-                        sf[n, x] = e + e
-                if not full:
+                if not full:  # masked scores -inf: P 0
                     mask_scores(sf, b, row, j0 + c0, nq, nk, rules, kv_len,
                                 mask, NS)
                 gone = dropped_bits(b, row, j0 + c0, rules, NS) if (
                     rules.use_dropout) else int64(0)
                 for n in range(NS):
                     for x in range(4):
-                        z = F0 if (gone >> (4 * n + x)) & 1 else \
-                            zn[x >> 1]
-                        p = ex2(sf[n, x])
-                        sf[n, x] = p * (pf[n, x] * z - dl[x >> 1])
+                        h = x >> 1
+                        z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
+                        p = p_of(sf[n, x], tau, sub[h], sl[h])
+                        sf[n, x] = p * (pf[n, x] * z - dl[h])
                 # dQ_i += dS K_j: dS's C fragments are its A fragments
                 c_times_b(gf, sf, af, kt, NS // 2, NQ, CQ)
             cuda.syncthreads()  # no warp reads K_j, V_j any more
@@ -309,7 +327,8 @@ def make_dkv(D, D_V, kind="bf16"):
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present
         q_s = cuda.shared.array(Q_S, int16)  # K_j first, then Q_i
         o_s = cuda.shared.array(O_S, int16)  # V_j first, then dO_i
-        sh2_s = cuda.shared.array(ROWS, float32)  # shift_i log2 e / 2
+        sub_s = cuda.shared.array(ROWS, float32)  # row_terms of query i
+        sl_s = cuda.shared.array(ROWS, float32)
         zn_s = cuda.shared.array(ROWS, float32)  # 1 / (1 - p) norm_i
         dl_s = cuda.shared.array(ROWS, float32)  # D_i norm_i
         kf = cuda.local.array((KD, 4), int32)  # K_j: A fragments
@@ -348,7 +367,7 @@ def make_dkv(D, D_V, kind="bf16"):
         for n in range(NV):
             for x in range(4):
                 gv[n, x] = F0
-        scale2h = rules.scale * HALF_LOG2E
+        tau = rules.scale
         tq = 2 * (lane % 4)  # this lane's first column in an n-tile
         cuda.syncthreads()  # every warp has its fragments: SRAM is free
         for it in range((nq + BR - 1) // BR):
@@ -359,16 +378,10 @@ def make_dkv(D, D_V, kind="bf16"):
             load_tile16(q_at, q, b, i0, BR, D, t)
             load_tile16(o_at, do, b, i0, BR, D_V, t)
             cp_async_commit()
-            if t < BR:
-                shift, norm, d_i = F0, F0, F0  # rows past Nq add 0
-                if i0 + t < nq:
-                    if stats[b, i0 + t] != NEG_INF:  # else no allowed pair
-                        shift = stats[b, i0 + t]
-                    norm = row_norm(stats, q.shape[0], b, i0 + t)
-                    d_i = delta[b, i0 + t]
-                sh2_s[t] = shift * HALF_LOG2E  # finite for any shift
-                zn_s[t] = rules.drop_scale * norm
-                dl_s[t] = d_i * norm
+            if t < BR:  # rows past Nq add 0
+                r0, r1, r2, r3 = row_terms(stats, delta, b, i0 + t, nq,
+                                           q.shape[0], rules.drop_scale)
+                sub_s[t], sl_s[t], zn_s[t], dl_s[t] = r0, r1, r2, r3
             cp_async_wait_all()
             cuda.syncthreads()  # Q_i, dO_i, their statistics in SRAM
             for part in range(PARTS):
@@ -392,15 +405,13 @@ def make_dkv(D, D_V, kind="bf16"):
                     b, key, i0 + c0, nq, nk, rules, kv_len, mask, NS, True)
                 gone = dropped_bits_of(b, key, i0 + c0, rules, NS, True) \
                     if rules.use_dropout else int64(0)
-                # P^T / norm = exp2(S tau log2 e - shift log2 e), formed
-                # as twice its half (see `HALF_LOG2E`); the norm is in
-                # zn_s and dl_s
+                # P^T / norm (p_of); the norm is in zn_s and dl_s
                 for n in range(NS):
                     for x in range(4):
                         c = c0 + 8 * n + tq + (x & 1)
                         bit = (4 * n + x)
-                        e = sf[n, x] * scale2h - sh2_s[c]  # a half
-                        p = ex2(e + e) if (ok >> bit) & 1 else F0
+                        p = p_of(sf[n, x], tau, sub_s[c], sl_s[c]) if (
+                            ok >> bit) & 1 else F0
                         z = F0 if (gone >> bit) & 1 else zn_s[c]
                         sf[n, x] = p * z
                         pf[n, x] = p * (pf[n, x] * z - dl_s[c])

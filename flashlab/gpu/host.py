@@ -241,18 +241,19 @@ def combine(outs, lses):
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2", align=None):
+                       order="fa2", align=None, version=None):
     """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward.
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
-    dims in backward_v5.HEAD_DIMS) the tensor-core kernels of
-    `backward_v5`, with lse float32 as the forward returns it and float32
-    gradients.
+    dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
+    float32 as the forward returns it and float32 gradients: `version` 7
+    (`backward_v7`, wgmma, Hopper only) or 5 (`backward_v5`, mma.sync),
+    None for the newest the GPU runs. Both are deterministic: no atomics.
     """
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    align=align)
-    fast = _fast_key(q, k, v, ("backward", order),
+    fast = _fast_key(q, k, v, ("backward", order, version),
                      dict(options, block_q=block_q, block_k=block_k),
                      saved=(o, lse, do))
     plan = _plans.get(fast) if fast is not None else None
@@ -260,6 +261,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         return plan(q, k, v, o, lse, do, seed)
     tiled.check_order(order)  # one backward loop follows either forward
     d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    if version is not None and dtype not in HALF_BITS:
+        raise ValueError(f"version: the float32 backward has one version; "
+                         f"pass None, got {version!r}")
     if dtype in HALF_BITS and not _device_runs("backward_v5_dq_bf16"):
         # no 16-bit tensor-core backward on this GPU: float32 kernels
         widen = adapters.kind_of("q", q).widen
@@ -272,14 +276,17 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"q: the 16-bit backward runs head dims "
                 f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
                 f"float32 copies")
-        _check_fixed_blocks("backward_v5", block_q, backward_v5.BR,
-                            block_k, backward_v5.BC)
+        names = _backward16_names(version, dtype, d, d_v)
+        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
+        _check_fixed_blocks(names[1].rsplit("_", 2)[0], block_q, dq_tr.br,
+                            block_k, dkv_tr.br)
         if fast is not None:
             _check_saved16(o, lse, do, q, dtype, d_v)
             plan = _plans[fast] = _BackwardPlan(q, k, v, o, lse, do, dtype,
-                                                options)
+                                                options, names)
             return plan(q, k, v, o, lse, do, seed)
-        return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options)
+        return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options,
+                           names)
     if dtype != "float32":
         raise TypeError(f"q: expected float32, bfloat16 or float16 for "
                         f"the backward, got {dtype}")
@@ -328,8 +335,31 @@ def _statistics(call, name, q_k, k_k, lse, rows):
     return stats_k
 
 
-def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
-    """The tensor-core backward (backward_v5) of 16-bit q, k, v, o, dO."""
+def _backward16_names(version, dtype, d, d_v):
+    """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5 or 7;
+    None: registry.backward_version) for this GPU."""
+    from numba import config
+
+    simulator = config.ENABLE_CUDASIM
+    cc = (9, 0) if simulator else launch.device_cc()  # refused later
+    if version is None:
+        version = registry.backward_version(dtype, d, d_v, cc)
+    elif isinstance(version, bool) or version not in (5, 7):
+        raise ValueError(f"version: expected 5, 7 or None for the 16-bit "
+                         f"backward, got {version!r}")
+    elif not simulator and not registry.get(
+            f"backward_v{version}_dq_bf16").runs_on(cc):
+        raise ValueError(
+            f"version: backward v{version} does not run on compute "
+            f"capability {cc[0]}.{cc[1]} (pass None for the best it runs)")
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    return tuple(f"backward_v{version}_{part}_{kind}"
+                 for part in ("dkv", "dq"))
+
+
+def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
+    """The tensor-core backward (kernels `names`: dK/dV, dQ) of 16-bit q,
+    k, v, o, dO."""
     _check_saved16(o, lse, do, q, dtype, d_v)
     _refuse_simulator("q: the 16-bit backward (backward_v5)")
     call = _Call(q, k, v, options)
@@ -352,8 +382,7 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options):
     dq, dq_k = call.empty((bh, nq, d))
     dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
     dv, dv_k = call.empty((bh, nk, d_v))
-    dkv_tr, dq_tr = (traits.traits(f"backward_v5_{part}_{kind}", d, d_v)
-                     for part in ("dkv", "dq"))
+    dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
     if bh and nq and nk:
         kernel(dkv_tr.name, d, d_v)[
             (math.ceil(nk / dkv_tr.br), bh), dkv_tr.threads,
@@ -734,12 +763,12 @@ class _ForwardPlan:
 
 
 class _BackwardPlan:
-    """backward_v5 of one (shapes, dtype, options), prepared as
+    """The 16-bit backward of one (shapes, dtype, options), prepared as
     _ForwardPlan is: a call allocates D and the float32 gradients and
     launches D = rowsum(dO o O) (warp.row_dot16), the dK/dV and the dQ
     kernels from their packed buffers."""
 
-    def __init__(self, q, k, v, o, lse, do, dtype, options):
+    def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         call = _Call(q, k, v, options)
@@ -748,8 +777,7 @@ class _BackwardPlan:
         self.rules = call.args[0]
         kind = "bf16" if dtype == "bfloat16" else "f16"
         bh, nq, nk = call.bh, call.nq, call.nk
-        dkv_tr, dq_tr = (traits.traits(f"backward_v5_{part}_{kind}", d,
-                                       d_v) for part in ("dkv", "dq"))
+        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
         self.grids = ((math.ceil(nk / dkv_tr.br), bh),
                       (math.ceil(nq / dq_tr.br), bh))
         self.threads = (dkv_tr.threads, dq_tr.threads)
@@ -774,9 +802,9 @@ class _BackwardPlan:
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
         dq, dk, dv = self._grads(q)
-        self.dkv = kernel(f"backward_v5_dkv_{kind}", d, d_v).pack(
+        self.dkv = kernel(names[0], d, d_v).pack(
             *inputs, dk.view(bh, nk, d), dv.view(bh, nk, d_v), *call.args)
-        self.dq = kernel(f"backward_v5_dq_{kind}", d, d_v).pack(
+        self.dq = kernel(names[1], d, d_v).pack(
             *inputs, dq.view(bh, nq, d), *call.args)
 
     def _delta(self, q):

@@ -15,6 +15,7 @@ from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before compiling)
     backward,
     backward_v5,
+    backward_v7,
     device,
     forward_v1,
     forward_v2,
@@ -125,6 +126,13 @@ KERNELS = (
       for part, make in (("dq", backward_v5.make_dq),
                          ("dkv", backward_v5.make_dkv))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    *(Kernel(f"backward_v7_{part}_{kind}",
+             functools.partial(make, kind=kind), f"backward16_{part}",
+             (dtype,), TENSOR_DIMS, (9, 0), backward_v7.THREADS,
+             max_cc=(9, 0), shared=backward_v7.shared_bytes)
+      for part, make in (("dq", backward_v7.make_dq),
+                         ("dkv", backward_v7.make_dkv))
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
            _F32, **_HELPER),
@@ -190,6 +198,17 @@ def best_version(dtype, d, d_v, cc, simulator=False):
         return 3 if dtype == "float32" else None
     for version in (8, 5, 6, 3):
         if version in versions_for(dtype, d, d_v, cc):
+            return version
+    return None
+
+
+def backward_version(dtype, d, d_v, cc):
+    """The 16-bit backward `version=None` runs: 7 (wgmma) on Hopper, 5
+    (mma.sync) from compute capability 8.0 on; None where neither runs
+    (the caller widens to float32)."""
+    for version in (7, 5):
+        spec = BY_NAME[f"backward_v{version}_dq_bf16"]
+        if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc):
             return version
     return None
 

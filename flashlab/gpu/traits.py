@@ -51,7 +51,8 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "finish": ("o", "lse"), "row_statistics": ("stats",),
            "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
-STATS = 3  # per-query values a backward block keeps: shift, norm and D
+STATS = 3  # per-query values the float32 backward keeps: shift, norm, D
+TERMS = 4  # the 16-bit backward's: backward_v5.row_terms
 
 
 def _scalar(br, bc, threads, shared_floats):
@@ -134,10 +135,18 @@ def _backward16(m, d, d_v, keys):
     part = "dkv" if keys else "dq"
     rows = m.BR if keys else m.BC  # of the tiles staged in SRAM
     n_tiles = rows // 8 // m.parts(part, d, d_v)
-    shared = B16 * rows * (d + d_v) + (STATS * F32 * m.ROWS if keys
+    shared = B16 * rows * (d + d_v) + (TERMS * F32 * m.ROWS if keys
                                        else 0)
     return _mma(m.BC if keys else m.BR, rows, warp.THREADS, d // 16,
                 n_tiles, d // 8, shared)
+
+
+def _backward_wgmma(m, d, d_v, keys):
+    """Two warpgroups of 64 own rows on wgmma, the other side streamed in
+    two stages of dynamic SRAM; dK/dV keeps each stage's row terms."""
+    shared = TERMS * F32 * 2 * m.STREAMED if keys else 0
+    return _mma(m.OWN, m.STREAMED, m.THREADS, d // 16, m.STREAMED // 8,
+                d // 8, shared)
 
 
 def _helper(spec):
@@ -165,6 +174,8 @@ LAYOUTS = {
     "backward.make_q_blocked": functools.partial(_blocked, keys=False),
     "backward_v5.make_dkv": functools.partial(_backward16, keys=True),
     "backward_v5.make_dq": functools.partial(_backward16, keys=False),
+    "backward_v7.make_dkv": functools.partial(_backward_wgmma, keys=True),
+    "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
 }
 
 

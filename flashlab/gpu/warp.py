@@ -39,11 +39,6 @@ THREADS = 32 * WARPS
 BR = 16 * WARPS  # query rows per block
 LOG2E = np.float32(math.log2(math.e))
 LN2 = np.float32(math.log(2.0))
-# The backward forms exp2(s tau log2 e - shift log2 e) as exp2(h + h),
-# h = s tau (log2 e / 2) - shift (log2 e / 2): halving is exact, so these
-# are the same bits wherever the first form is finite, and h is finite
-# for every finite s tau and shift (at most 3.4e38 log2 e / 2 = 2.45e38)
-HALF_LOG2E = np.float32(math.log2(math.e) / 2)  # exactly LOG2E / 2
 # Up to this |shift| (natural units), exp(s tau - shift) is one FMA and
 # one exp2: s tau log2 e - shift log2 e, with shift log2 e rounded to
 # float32. That rounding is half an ulp of |shift| log2 e <= 5909, 2**-12,

@@ -1,0 +1,349 @@
+"""Backward v7: backward_v5's two kernels on Hopper's warpgroup MMA.
+
+bf16 or float16, sm_90a only. Deterministic and without atomics, as
+backward_v5: one kernel accumulates dQ per block of queries, the other
+dK and dV per block of keys, so dQ's S and dP are formed twice (seven
+products a tile pair where a backward with atomics needs five). A block
+is two warpgroups (256 threads); each owns 64 rows of the block's tiles
+and both read the streamed tiles of the other side, double-buffered:
+
+- `make_dq`: 128 query rows. Q_i and dO_i stay in shared memory; K_j
+  and V_j (64 keys) stream. S = Q_i K_j^T and dP = dO_i V_j^T are wgmma
+  from shared memory (m64n64k16), P and dS = P (dP - D) are formed in
+  registers, and dQ_i += dS K_j takes dS from registers as the A operand
+  and K_j, read MN-major, as B.
+- `make_dkv`: 128 keys. K_j and V_j stay; Q_i and dO_i (64 queries)
+  stream with their rows' statistics. S^T = K_j Q_i^T and dP^T = V_j
+  dO_i^T from shared memory, then dV_j += (P^T Z) dO_i and dK_j += dS^T
+  Q_i with P^T and dS^T as register A operands.
+
+An accumulator is backward_v5's C fragments stacked over a warpgroup
+(fragments.wgmma_c_places), so its element-wise steps (`row_terms`,
+`p_of`, masks and dropout bits) apply unchanged. Per tile, one barrier
+hands the next tile's stage over: by then every product that read the
+stage it refills has been waited for. Tiles lie 128-byte swizzled
+(forward_v7.load_panels) in dynamic shared memory. See chapter 12.
+"""
+
+from numba import cuda, float32, int16, int32, int64, uint32, uint64
+
+from flashlab import fragments
+from flashlab.gpu.backward_v5 import p_of, row_terms
+from flashlab.gpu.device import F0, inline, tile_full, tile_skipped
+from flashlab.gpu.forward_v7 import (
+    ALIGN,
+    CC,
+    descriptor_128b,
+    handed_over,
+    k_steps_128b,
+    load_panels,
+    make_to_a,
+)
+from flashlab.gpu.intrinsics import (
+    cp_async_commit,
+    cp_async_wait_all,
+    pack_bf16x2,
+    pack_f16x2,
+    shared_address,
+)
+from flashlab.gpu.warp import (
+    allowed_bits_of,
+    dropped_bits,
+    dropped_bits_of,
+    mask_scores,
+    tile_range,
+)
+from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
+
+GROUPS = 2  # warpgroups per block
+THREADS = 128 * GROUPS
+OWN = 64 * GROUPS  # rows a block owns: queries (dQ) or keys (dK, dV)
+STREAMED = 64  # rows of the other side per streamed tile
+HEAD_DIMS = (64, 128)
+WG_ROWS = 64 * 128  # bytes to a warpgroup's 64 rows in each panel
+PACKS = {"bf16": pack_bf16x2, "f16": pack_f16x2}
+
+
+def shared_bytes(d, d_v):
+    """Dynamic shared memory per block, either kernel: the own rows of
+    two (d and d_v wide), two stages of the streamed ones, alignment."""
+    return 2 * (OWN * (d + d_v) + 2 * STREAMED * (d + d_v)) + ALIGN
+
+
+@inline
+def store_rows(g, out, b, r, n_rows, tq, tiles, factor):
+    """A warp's rows r and r + 8 of out[b] from float32 C fragments g
+    (tiles n-tiles of 8 columns), times factor; rows past n_rows not."""
+    for h in range(2):
+        if r + 8 * h < n_rows:
+            # a row view and unsigned columns: plain stores, no index
+            # arithmetic left to hold registers at the end
+            out_r = out[b, r + 8 * h]
+            for n in range(tiles):
+                x = uint32(8 * n + tq)
+                out_r[x] = g[n, 2 * h] * factor
+                out_r[x + uint32(1)] = g[n, 2 * h + 1] * factor
+
+
+def make_dq(D, D_V, kind="bf16"):
+    """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
+    BR, BC = OWN, STREAMED  # query rows per block, keys per K/V tile
+    KD, KV, KP = D // 16, D_V // 16, BC // 16  # k-steps: S, dP, dQ
+    NS, NQ = BC // 8, D // 8  # n-tiles of S (and dP), of dQ
+    Q_S, O_S = BR * D, BR * D_V  # the block's own tiles (16-bit values)
+    K_S, V_S = BC * D, BC * D_V  # one stage of each streamed tile
+    OWN_S, STAGE_S = Q_S + O_S, K_S + V_S
+    lbo, sbo, _, _ = fragments.k_major_128b(BR)
+    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BC)  # K_j as B of dQ
+    s_issue = mma_ss(BC, KD, k_steps_128b(BR, KD), k_steps_128b(BC, KD),
+                     kind, wait=False)
+    p_issue = mma_ss(BC, KV, k_steps_128b(BR, KV), k_steps_128b(BC, KV),
+                     kind, wait=False)
+    g_issue = mma_rs(D, KP, step_t, kind, wait=False)
+    sp_wait = wait_for(0, NS * 4, NS * 4)
+    g_wait = wait_for(0, NQ * 4, KP * 4)  # dQ, and dS (its A operand)
+    to_a = make_to_a(PACKS[kind], KP)
+
+    @cuda.jit
+    def backward_v7_dq(q, k, v, do, stats, delta, dq, rules, kv_len, mask):
+        # q, k, v, do: (BH, N, d) 16-bit bits; delta: (BH, Nq); stats:
+        # shifts (BH, Nq), then norms (BH, Nq) if present
+        tiles = cuda.shared.array(0, int16)  # Q_i, dO_i, 2 x (K_j, V_j)
+        sf = cuda.local.array((NS, 4), float32)  # S, then P, then dS
+        pf = cuda.local.array((NS, 4), float32)  # dP
+        af = cuda.local.array((KP, 4), int32)  # dS: A of each k-step
+        gf = cuda.local.array((NQ, 4), float32)  # dQ_i
+        sub = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
+        sl = cuda.local.array(2, float32)
+        zn = cuda.local.array(2, float32)
+        dl = cuda.local.array(2, float32)
+        t = cuda.threadIdx.x
+        w, lane = t // 32, t % 32
+        b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
+        # the last query blocks first: causal, they visit the most tiles
+        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BR, nq)
+        row = i0 + 16 * w + lane // 4  # this lane's first row (g)
+        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        at = shared_address(tiles, 0)
+        q_at = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
+        o_at = q_at + uint32(2 * Q_S)
+        k_at = q_at + uint32(2 * OWN_S)  # stage s: 2 STAGE_S s bytes on
+        v_at = k_at + uint32(2 * K_S)
+        wg = uint32(WG_ROWS * (w // 4))  # this warpgroup's rows
+        q_desc = uint64(descriptor_128b(q_at + wg, lbo, sbo))
+        o_desc = uint64(descriptor_128b(o_at + wg, lbo, sbo))
+        k_desc = uint64(descriptor_128b(k_at, lbo, sbo))
+        v_desc = uint64(descriptor_128b(v_at, lbo, sbo))
+        t_desc = uint64(descriptor_128b(k_at, lbo_t, sbo_t))
+        next_stage = uint64(2 * STAGE_S >> 4)  # in descriptor units
+        for h in range(2):
+            r0, r1, r2, r3 = row_terms(stats, delta, b, row + 8 * h, nq,
+                                       q.shape[0], rules.drop_scale)
+            sub[h], sl[h], zn[h], dl[h] = r0, r1, r2, r3
+        for n in range(NQ):
+            for x in range(4):
+                gf[n, x] = F0
+        tau = rules.scale
+        if first <= last:  # HBM -> SRAM: Q_i, dO_i and tile `first`
+            load_panels(q_at, q, b, i0, BR, D, t)
+            load_panels(o_at, do, b, i0, BR, D_V, t)
+            load_panels(k_at, k, bk, first * BC, BC, D, t)
+            load_panels(v_at, v, bk, first * BC, BC, D_V, t)
+            cp_async_commit()
+        for jt in range(first, last + 1):
+            now = uint32((jt - first) % 2)  # the stage of tile jt
+            cp_async_wait_all()
+            # tile jt has landed; every warpgroup has waited for the
+            # products of tile jt - 1: the other stage is free
+            handed_over()
+            if jt < last:
+                free = uint32(2 * STAGE_S) * (uint32(1) - now)
+                load_panels(k_at + free, k, bk, jt * BC + BC, BC, D, t)
+                load_panels(v_at + free, v, bk, jt * BC + BC, BC, D_V, t)
+            cp_async_commit()
+            j0 = jt * BC
+            s_issue(sf, q_desc, k_desc + next_stage * uint64(now))
+            p_issue(pf, o_desc, v_desc + next_stage * uint64(now))
+            sp_wait(sf, pf)
+            if rules.use_mask or j0 + BC > nk or not tile_full(
+                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
+                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
+                            NS)  # masked scores -inf: P 0
+            gone = dropped_bits(b, row, j0, rules, NS) if (
+                rules.use_dropout) else int64(0)
+            for n in range(NS):
+                for x in range(4):
+                    h = x >> 1
+                    z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
+                    p = p_of(sf[n, x], tau, sub[h], sl[h])
+                    sf[n, x] = p * (pf[n, x] * z - dl[h])
+            to_a(af, sf)  # dS rounded to 16 bits: dQ's A operand
+            g_issue(gf, af, t_desc + next_stage * uint64(now))
+            g_wait(gf, af)
+        store_rows(gf, dq, b, row, nq, 2 * (lane % 4), NQ, tau)
+
+    return backward_v7_dq
+
+
+@inline
+def next_tile(it, nq, j0, j1, rules, kv):
+    """The first query tile after `it` (STREAMED rows each, of Nq) that
+    keys j0..j1-1 do not skip; past the last tile if none."""
+    nt = (nq + STREAMED - 1) // STREAMED
+    it += 1
+    while it < nt and tile_skipped(it * STREAMED,
+                                   min(it * STREAMED + STREAMED, nq),
+                                   j0, j1, rules, kv):
+        it += 1
+    return it
+
+
+def make_dkv(D, D_V, kind="bf16"):
+    """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
+    BK, BQ = OWN, STREAMED  # keys per block, queries per Q/dO tile
+    KD, KV, KP = D // 16, D_V // 16, BQ // 16  # k-steps: S^T, dP^T, dK/dV
+    NS, NK, NV = BQ // 8, D // 8, D_V // 8  # n-tiles: S^T, dK, dV
+    K_S, V_S = BK * D, BK * D_V  # the block's own tiles (16-bit values)
+    Q_S, O_S = BQ * D, BQ * D_V  # one stage of each streamed tile
+    OWN_S, STAGE_S = K_S + V_S, Q_S + O_S
+    lbo, sbo, _, _ = fragments.k_major_128b(BK)
+    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BQ)  # Q_i, dO_i as B
+    s_issue = mma_ss(BQ, KD, k_steps_128b(BK, KD), k_steps_128b(BQ, KD),
+                     kind, wait=False)
+    p_issue = mma_ss(BQ, KV, k_steps_128b(BK, KV), k_steps_128b(BQ, KV),
+                     kind, wait=False)
+    v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
+    k_issue = mma_rs(D, KP, step_t, kind, wait=False)
+    sp_wait = wait_for(0, NS * 4, NS * 4)
+    v_wait = wait_for(1, NV * 4, KP * 4)  # dV, P^T in; dK may still fly
+    k_wait = wait_for(0, NK * 4, KP * 4)
+    to_a = make_to_a(PACKS[kind], KP)
+
+    @cuda.jit
+    def backward_v7_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
+                        mask):
+        # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head;
+        # stats: shifts (BH, Nq), then norms (BH, Nq) if present
+        tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
+        # row_terms (sub, sl, zn, dl) of each stage's queries
+        terms = cuda.shared.array((2, 4, STREAMED), float32)
+        sf = cuda.local.array((NS, 4), float32)  # S^T, then P^T Z
+        pf = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
+        pa = cuda.local.array((KP, 4), int32)  # P^T Z: A of dV's k-steps
+        da = cuda.local.array((KP, 4), int32)  # dS^T: A of dK's k-steps
+        gk = cuda.local.array((NK, 4), float32)  # dK_j
+        gv = cuda.local.array((NV, 4), float32)  # dV_j
+        t = cuda.threadIdx.x
+        w, lane = t // 32, t % 32
+        b = cuda.blockIdx.y
+        bk = b // rules.group  # the K/V head of query head b
+        j0 = cuda.blockIdx.x * BK
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + BK, nk)
+        key = j0 + 16 * w + lane // 4  # this lane's first key (g)
+        tq = 2 * (lane % 4)  # this lane's first column in an n-tile
+        at = shared_address(tiles, 0)
+        k_at = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
+        v_at = k_at + uint32(2 * K_S)
+        q_at = k_at + uint32(2 * OWN_S)  # stage s: 2 STAGE_S s bytes on
+        o_at = q_at + uint32(2 * Q_S)
+        wg = uint32(WG_ROWS * (w // 4))  # this warpgroup's keys
+        k_desc = uint64(descriptor_128b(k_at + wg, lbo, sbo))
+        v_desc = uint64(descriptor_128b(v_at + wg, lbo, sbo))
+        q_desc = uint64(descriptor_128b(q_at, lbo, sbo))
+        o_desc = uint64(descriptor_128b(o_at, lbo, sbo))
+        qt_desc = uint64(descriptor_128b(q_at, lbo_t, sbo_t))
+        ot_desc = uint64(descriptor_128b(o_at, lbo_t, sbo_t))
+        next_stage = uint64(2 * STAGE_S >> 4)  # in descriptor units
+        for n in range(NK):
+            for x in range(4):
+                gk[n, x] = F0
+        for n in range(NV):
+            for x in range(4):
+                gv[n, x] = F0
+        tau = rules.scale
+        nt = (nq + BQ - 1) // BQ
+        it = next_tile(-1, nq, j0, j1, rules, kv_len[b])
+        if it < nt:  # HBM -> SRAM: K_j, V_j and the first query tile
+            load_panels(k_at, k, bk, j0, BK, D, t)
+            load_panels(v_at, v, bk, j0, BK, D_V, t)
+            load_panels(q_at, q, b, it * BQ, BQ, D, t)
+            load_panels(o_at, do, b, it * BQ, BQ, D_V, t)
+            cp_async_commit()
+            if t < BQ:
+                r0, r1, r2, r3 = row_terms(stats, delta, b, it * BQ + t,
+                                           nq, q.shape[0], rules.drop_scale)
+                terms[0, 0, t], terms[0, 1, t] = r0, r1
+                terms[0, 2, t], terms[0, 3, t] = r2, r3
+        now = 0  # the stage of tile it
+        while it < nt:
+            nx = next_tile(it, nq, j0, j1, rules, kv_len[b])
+            cp_async_wait_all()
+            # tile it and its terms have landed; every warpgroup has
+            # waited for the products of the tile before: the other
+            # stage is free
+            handed_over()
+            if nx < nt:
+                free = uint32(2 * STAGE_S) * uint32(1 - now)
+                load_panels(q_at + free, q, b, nx * BQ, BQ, D, t)
+                load_panels(o_at + free, do, b, nx * BQ, BQ, D_V, t)
+                if t < BQ:
+                    r0, r1, r2, r3 = row_terms(stats, delta, b,
+                                               nx * BQ + t, nq, q.shape[0],
+                                               rules.drop_scale)
+                    terms[1 - now, 0, t], terms[1 - now, 1, t] = r0, r1
+                    terms[1 - now, 2, t], terms[1 - now, 3, t] = r2, r3
+            cp_async_commit()
+            i0 = it * BQ
+            i1 = min(i0 + BQ, nq)
+            at_now = next_stage * uint64(now)
+            s_issue(sf, k_desc, q_desc + at_now)  # S^T = K_j Q_i^T
+            p_issue(pf, v_desc, o_desc + at_now)  # dP^T = V_j dO_i^T
+            sp_wait(sf, pf)
+            # element (n, x): key `key` + 8 (x >> 1), query column
+            # 8 n + tq + (x & 1) of the tile; which pairs are allowed
+            # and dropped comes first, as bits
+            full = not rules.use_mask and j1 - j0 == BK and \
+                i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules,
+                                            kv_len[b])
+            ok = int64(-1) if full else allowed_bits_of(
+                b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
+            gone = dropped_bits_of(b, key, i0, rules, NS, True) \
+                if rules.use_dropout else int64(0)
+            for n in range(NS):
+                for x in range(4):
+                    c = 8 * n + tq + (x & 1)
+                    bit = 4 * n + x
+                    p = p_of(sf[n, x], tau, terms[now, 0, c],
+                             terms[now, 1, c]) if (ok >> bit) & 1 else F0
+                    z = F0 if (gone >> bit) & 1 else terms[now, 2, c]
+                    sf[n, x] = p * z
+                    pf[n, x] = p * (pf[n, x] * z - terms[now, 3, c])
+            # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: the rounded C
+            # fragments are the A operands, dO_i and Q_i read MN-major
+            to_a(pa, sf)
+            v_issue(gv, pa, ot_desc + at_now)
+            to_a(da, pf)
+            k_issue(gk, da, qt_desc + at_now)
+            v_wait(gv, pa)
+            k_wait(gk, da)
+            it = nx
+            now = 1 - now
+        store_rows(gk, dk, b, key, nk, tq, NK, tau)
+        store_rows(gv, dv, b, key, nk, tq, NV, float32(1))
+
+    return backward_v7_dkv
+
+
+def compile_ptx(part, d, d_v, kind="bf16"):
+    """PTX of kernel `part` ("dq" or "dkv") for sm_90a; needs no GPU."""
+    from flashlab.gpu import build
+
+    with build.compiling_without_gpu(CC[:2]):
+        ptx, _ = cuda.compile_ptx(
+            {"dq": make_dq, "dkv": make_dkv}[part](d, d_v, kind).py_func,
+            build.signature(f"backward_v5_{part}_{kind}"), cc=CC)
+    return ptx
