@@ -1,7 +1,9 @@
 """Chapter 12's suite: forward v7 on Hopper, and the ladder that built it.
 
 `main` measures the bf16 forward of v5, v7 and v8 against torch's flash
-and cuDNN kernels (tensor.suite's forward cases, hopper.csv), their error
+and cuDNN kernels (tensor.suite's forward cases, hopper.csv), the bf16
+backward of backward_v5 and v7 against theirs (hopper_backward.csv), the
+forwards' error
 against float64 SDPA on the same inputs (hopper.json), and the ladder
 (hopper_ladder.json): v7 built three ways, then v8, each in a fresh
 process with a kernel cache of its own, since the switches are read when
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from flashlab.bench import report, runner, tensor
+from flashlab.bench import report, runner, tensor, timing
 
 SIZES = (1024, 4096, 16384)
 LADDER = (("nvJitLink: every wgmma waited at once", 7, False, False),
@@ -58,6 +60,44 @@ def forward_rows(sizes=SIZES):
     cases = tuple(c for c in suite.cases
                   if c.pass_ == "forward" and c.dtype == "bfloat16")
     return runner.run(dataclasses.replace(suite, cases=cases, csv=None))
+
+
+BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16", "torch flash bf16",
+            "torch cudnn bf16")
+
+
+def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
+    """The bf16 backward alone, from a saved forward: backward_v5 and v7
+    (gpu.attention_backward) against torch's flash and cuDNN backwards
+    (autograd), per (d, N, causal)."""
+    cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
+                              "torch flash bf16", 5 if n > 8192 else 20,
+                              dtype="bfloat16")
+                  for d in dims for n in sizes for c in (False, True))
+    impls = {("backward", "flashlab v5 bf16"): _saved_backward(5),
+             ("backward", "flashlab v7 bf16"):
+             tensor._hopper(_saved_backward(7)),
+             ("backward", "torch flash bf16"):
+             tensor._backward("FLASH_ATTENTION"),
+             ("backward", "torch cudnn bf16"):
+             tensor._backward("CUDNN_ATTENTION")}
+    suite = runner.Suite("hopper backward", cases, tensor._inputs, impls,
+                         timing.events, columns=report.FIELDS,
+                         shown=report.SHOWN, csv=None,
+                         optional=("torch cudnn bf16", "flashlab v7 bf16"))
+    return runner.run(suite)
+
+
+def _saved_backward(version):
+    """gpu.attention_backward of backward `version` from a saved forward
+    (v8's, or v5's where there is no Hopper)."""
+    def make(case, x):
+        from flashlab import gpu
+
+        o, lse = gpu.attention(*x[:3], causal=case.causal, return_lse=True)
+        return lambda: gpu.attention_backward(
+            *x[:3], o, lse, x[3], causal=case.causal, version=version)
+    return make
 
 
 def accuracy(n=2048, seed=7):
@@ -116,6 +156,9 @@ def main(out):
     rows = forward_rows()
     report.write_csv(rows, os.path.join(out, "hopper.csv"))
     print(report.table(rows))
+    backward = backward_rows()
+    report.write_csv(backward, os.path.join(out, "hopper_backward.csv"))
+    print(report.table(backward))
     record = {"machine": report.machine(), "accuracy": accuracy()}
     with open(os.path.join(out, "hopper.json"), "w") as f:
         json.dump(record, f, indent=1)

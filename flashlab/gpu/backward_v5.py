@@ -20,9 +20,9 @@ Each warp works through its (16, 64) tile of S and dP in column slices
 `stats` holds each row's shift and norm of P (`row_statistics_bf16`,
 `_f16`: the saved lse and 1, or the row's own max and 1 / sum where lse
 lost log l), or is the saved lse alone; the norm rides on D and the
-dropout weight. P's exponent is the forward's own (`row_terms`,
-`p_of`): S tau log2 e - shift log2 e, the scores shifted first in rows
-whose shift passes warp.WIDE, so equal huge scores give P's exact ones.
+dropout weight. P's exponent (`row_terms`, `p_of`) shifts the rounded
+S tau before log2 e multiplies, so equal huge scores give P's exact
+ones and no finite score overflows.
 
 Masks, padding and dropout follow `tiled`: a pair's rules are checked
 per element wherever a tile is not wholly allowed. Gradients accumulate
@@ -59,7 +59,6 @@ from flashlab.gpu.intrinsics import (
 from flashlab.gpu.warp import (
     BR,
     LOG2E,
-    WIDE,
     a_from_c,
     allowed_bits_of,
     at_step,
@@ -82,31 +81,29 @@ HEAD_DIMS = (64, 128)  # as forward v5
 
 @inline
 def row_terms(stats, delta, b, i, nq, bh, drop_scale):
-    """(sub, sl, zn, dl) of query row i of head b (of bh): P / norm =
-    p_of(s, tau, sub, sl), the dropout's kept weight zn and D's term dl,
+    """(shift, zn, dl) of query row i of head b (of bh): P / norm =
+    p_of(s, tau, shift), the dropout's kept weight zn and D's term dl,
     both times the row's norm. Rows past Nq, and empty rows (lse -inf:
-    no allowed pair, P is 0 whatever the shift) shift by nothing; NaN
-    stays NaN."""
-    sub, sl, zn, dl = F0, F0, F0, F0
+    no allowed pair, P is 0 whatever the shift) shift by 0; NaN stays
+    NaN."""
+    shift, zn, dl = F0, F0, F0
     if i < nq:
-        shift = stats[b, i]
-        if shift != NEG_INF:
-            if abs(shift) > WIDE:  # as warp.online_softmax: shift first
-                sub = shift
-            else:
-                sl = shift * LOG2E
+        if stats[b, i] != NEG_INF:
+            shift = stats[b, i]
         norm = row_norm(stats, bh, b, i)
         zn = drop_scale * norm
         dl = delta[b, i] * norm
-    return sub, sl, zn, dl
+    return shift, zn, dl
 
 
 @inline
-def p_of(s, tau, sub, sl):
-    """P / norm of score s, exactly as the forward forms it: s tau rounded,
-    then one FMA with log2 e and one exp2 (sub = 0), or shifted first (sl
-    = 0) where the shift is wide."""
-    return ex2((s * tau - sub) * LOG2E - sl)
+def p_of(s, tau, shift):
+    """P / norm of score s: exp2((s tau - shift) log2 e), s tau rounded as
+    the forward and row_statistics round it, then shifted. The shift is
+    subtracted before log2 e multiplies: equal huge scores give exactly
+    exp2(0), and no finite score overflows (warp.WIDE says what folding
+    log2 e into the shift costs)."""
+    return ex2((s * tau - shift) * LOG2E)
 
 
 def _load16(unpack):
@@ -235,8 +232,7 @@ def make_dq(D, D_V, kind="bf16"):
         kb = cuda.local.array(4, uint32)  # ldmatrix bases: K_j as B
         kt = cuda.local.array(4, uint32)  # K_j as B, read transposed
         vb = cuda.local.array(4, uint32)  # V_j as B
-        sub = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
-        sl = cuda.local.array(2, float32)
+        sh = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
         zn = cuda.local.array(2, float32)  # 1 / (1 - p) norm
         dl = cuda.local.array(2, float32)  # D norm
         t = cuda.threadIdx.x
@@ -260,9 +256,9 @@ def make_dq(D, D_V, kind="bf16"):
         load_a(qf, k_at, lane, 16 * w, KD, CQ)
         load_a(df, v_at, lane, 16 * w, KV, CV)
         for h in range(2):
-            r0, r1, r2, r3 = row_terms(stats, delta, b, row + 8 * h, nq,
-                                       q.shape[0], rules.drop_scale)
-            sub[h], sl[h], zn[h], dl[h] = r0, r1, r2, r3
+            r0, r1, r2 = row_terms(stats, delta, b, row + 8 * h, nq,
+                                   q.shape[0], rules.drop_scale)
+            sh[h], zn[h], dl[h] = r0, r1, r2
         tau = rules.scale
         for n in range(NQ):
             for x in range(4):
@@ -294,7 +290,7 @@ def make_dq(D, D_V, kind="bf16"):
                     for x in range(4):
                         h = x >> 1
                         z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
-                        p = p_of(sf[n, x], tau, sub[h], sl[h])
+                        p = p_of(sf[n, x], tau, sh[h])
                         sf[n, x] = p * (pf[n, x] * z - dl[h])
                 # dQ_i += dS K_j: dS's C fragments are its A fragments
                 c_times_b(gf, sf, af, kt, NS // 2, NQ, CQ)
@@ -327,8 +323,7 @@ def make_dkv(D, D_V, kind="bf16"):
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present
         q_s = cuda.shared.array(Q_S, int16)  # K_j first, then Q_i
         o_s = cuda.shared.array(O_S, int16)  # V_j first, then dO_i
-        sub_s = cuda.shared.array(ROWS, float32)  # row_terms of query i
-        sl_s = cuda.shared.array(ROWS, float32)
+        sh_s = cuda.shared.array(ROWS, float32)  # row_terms of query i
         zn_s = cuda.shared.array(ROWS, float32)  # 1 / (1 - p) norm_i
         dl_s = cuda.shared.array(ROWS, float32)  # D_i norm_i
         kf = cuda.local.array((KD, 4), int32)  # K_j: A fragments
@@ -379,9 +374,9 @@ def make_dkv(D, D_V, kind="bf16"):
             load_tile16(o_at, do, b, i0, BR, D_V, t)
             cp_async_commit()
             if t < BR:  # rows past Nq add 0
-                r0, r1, r2, r3 = row_terms(stats, delta, b, i0 + t, nq,
-                                           q.shape[0], rules.drop_scale)
-                sub_s[t], sl_s[t], zn_s[t], dl_s[t] = r0, r1, r2, r3
+                r0, r1, r2 = row_terms(stats, delta, b, i0 + t, nq,
+                                       q.shape[0], rules.drop_scale)
+                sh_s[t], zn_s[t], dl_s[t] = r0, r1, r2
             cp_async_wait_all()
             cuda.syncthreads()  # Q_i, dO_i, their statistics in SRAM
             for part in range(PARTS):
@@ -410,7 +405,7 @@ def make_dkv(D, D_V, kind="bf16"):
                     for x in range(4):
                         c = c0 + 8 * n + tq + (x & 1)
                         bit = (4 * n + x)
-                        p = p_of(sf[n, x], tau, sub_s[c], sl_s[c]) if (
+                        p = p_of(sf[n, x], tau, sh_s[c]) if (
                             ok >> bit) & 1 else F0
                         z = F0 if (gone >> bit) & 1 else zn_s[c]
                         sf[n, x] = p * z

@@ -113,8 +113,7 @@ def make_dq(D, D_V, kind="bf16"):
         pf = cuda.local.array((NS, 4), float32)  # dP
         af = cuda.local.array((KP, 4), int32)  # dS: A of each k-step
         gf = cuda.local.array((NQ, 4), float32)  # dQ_i
-        sub = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
-        sl = cuda.local.array(2, float32)
+        sh = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
         zn = cuda.local.array(2, float32)
         dl = cuda.local.array(2, float32)
         t = cuda.threadIdx.x
@@ -140,9 +139,9 @@ def make_dq(D, D_V, kind="bf16"):
         t_desc = uint64(descriptor_128b(k_at, lbo_t, sbo_t))
         next_stage = uint64(2 * STAGE_S >> 4)  # in descriptor units
         for h in range(2):
-            r0, r1, r2, r3 = row_terms(stats, delta, b, row + 8 * h, nq,
-                                       q.shape[0], rules.drop_scale)
-            sub[h], sl[h], zn[h], dl[h] = r0, r1, r2, r3
+            r0, r1, r2 = row_terms(stats, delta, b, row + 8 * h, nq,
+                                   q.shape[0], rules.drop_scale)
+            sh[h], zn[h], dl[h] = r0, r1, r2
         for n in range(NQ):
             for x in range(4):
                 gf[n, x] = F0
@@ -178,7 +177,7 @@ def make_dq(D, D_V, kind="bf16"):
                 for x in range(4):
                     h = x >> 1
                     z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
-                    p = p_of(sf[n, x], tau, sub[h], sl[h])
+                    p = p_of(sf[n, x], tau, sh[h])
                     sf[n, x] = p * (pf[n, x] * z - dl[h])
             to_a(af, sf)  # dS rounded to 16 bits: dQ's A operand
             g_issue(gf, af, t_desc + next_stage * uint64(now))
@@ -228,8 +227,8 @@ def make_dkv(D, D_V, kind="bf16"):
         # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head;
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
-        # row_terms (sub, sl, zn, dl) of each stage's queries
-        terms = cuda.shared.array((2, 4, STREAMED), float32)
+        # row_terms (shift, zn, dl) of each stage's queries
+        terms = cuda.shared.array((2, 3, STREAMED), float32)
         sf = cuda.local.array((NS, 4), float32)  # S^T, then P^T Z
         pf = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
         pa = cuda.local.array((KP, 4), int32)  # P^T Z: A of dV's k-steps
@@ -274,10 +273,9 @@ def make_dkv(D, D_V, kind="bf16"):
             load_panels(o_at, do, b, it * BQ, BQ, D_V, t)
             cp_async_commit()
             if t < BQ:
-                r0, r1, r2, r3 = row_terms(stats, delta, b, it * BQ + t,
-                                           nq, q.shape[0], rules.drop_scale)
-                terms[0, 0, t], terms[0, 1, t] = r0, r1
-                terms[0, 2, t], terms[0, 3, t] = r2, r3
+                r0, r1, r2 = row_terms(stats, delta, b, it * BQ + t, nq,
+                                       q.shape[0], rules.drop_scale)
+                terms[0, 0, t], terms[0, 1, t], terms[0, 2, t] = r0, r1, r2
         now = 0  # the stage of tile it
         while it < nt:
             nx = next_tile(it, nq, j0, j1, rules, kv_len[b])
@@ -291,11 +289,11 @@ def make_dkv(D, D_V, kind="bf16"):
                 load_panels(q_at + free, q, b, nx * BQ, BQ, D, t)
                 load_panels(o_at + free, do, b, nx * BQ, BQ, D_V, t)
                 if t < BQ:
-                    r0, r1, r2, r3 = row_terms(stats, delta, b,
-                                               nx * BQ + t, nq, q.shape[0],
-                                               rules.drop_scale)
-                    terms[1 - now, 0, t], terms[1 - now, 1, t] = r0, r1
-                    terms[1 - now, 2, t], terms[1 - now, 3, t] = r2, r3
+                    r0, r1, r2 = row_terms(stats, delta, b, nx * BQ + t,
+                                           nq, q.shape[0], rules.drop_scale)
+                    s1 = 1 - now
+                    terms[s1, 0, t], terms[s1, 1, t] = r0, r1
+                    terms[s1, 2, t] = r2
             cp_async_commit()
             i0 = it * BQ
             i1 = min(i0 + BQ, nq)
@@ -317,11 +315,11 @@ def make_dkv(D, D_V, kind="bf16"):
                 for x in range(4):
                     c = 8 * n + tq + (x & 1)
                     bit = 4 * n + x
-                    p = p_of(sf[n, x], tau, terms[now, 0, c],
-                             terms[now, 1, c]) if (ok >> bit) & 1 else F0
-                    z = F0 if (gone >> bit) & 1 else terms[now, 2, c]
+                    p = p_of(sf[n, x], tau, terms[now, 0, c]) if (
+                        ok >> bit) & 1 else F0
+                    z = F0 if (gone >> bit) & 1 else terms[now, 1, c]
                     sf[n, x] = p * z
-                    pf[n, x] = p * (pf[n, x] * z - terms[now, 3, c])
+                    pf[n, x] = p * (pf[n, x] * z - terms[now, 2, c])
             # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: the rounded C
             # fragments are the A operands, dO_i and Q_i read MN-major
             to_a(pa, sf)

@@ -52,7 +52,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
 STATS = 3  # per-query values the float32 backward keeps: shift, norm, D
-TERMS = 4  # the 16-bit backward's: backward_v5.row_terms
+TERMS = 3  # the 16-bit backward's: backward_v5.row_terms
 
 
 def _scalar(br, bc, threads, shared_floats):
