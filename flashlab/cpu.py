@@ -11,7 +11,9 @@ units and log2(e) multiplies S - m inside the exponent, never the scale:
 tau log2(e) S would overflow float32 for finite scores above 2.36e38.
 The per-row algebra is `merge.row_step`, the mask rules
 `masks.pair_allowed`, the dropout hash `dropout.keep_bits`, compiled here
-as they are. See chapter 9.
+as they are. A float mask that adds to the scores (ALiBi biases, -1e9 or
+finfo.min fills) is added to tau S row by row, as `tiled.score_tile`
+adds it, in the pass that finds the row max. See chapter 9.
 """
 
 import math
@@ -62,14 +64,14 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
         block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
         scale=scale,
         causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
-        dropout_p=dropout_p, seed=seed, align=align))
+        dropout_p=dropout_p, seed=seed, align=align), added=True)
     bh, d_v = q3.shape[0], v3.shape[-1]
     o = np.empty((bh, plan.nq, d_v), dtype=q3.dtype)
     lse = np.empty((bh, plan.nq), dtype=q3.dtype)
     with blas.one_thread():  # numba's threads call it, one each
         _forward(*(np.ascontiguousarray(x) for x in (q3, k3, v3)), o, lse,
                  plan.block_q, plan.block_k, a.rules, a.kv_len, a.mask,
-                 q3.dtype.type(_LOG2E))
+                 a.added, q3.dtype.type(_LOG2E))
     g = a.rules.group  # rows of query heads b: K/V head b // g
     if np.isneginf(lse).any() or not np.isfinite(v3).all():
         # else the rule changes nothing: no row is empty or unreached
@@ -93,7 +95,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         block_q=_default(block_q, BLOCK_Q), block_k=_default(block_k, BLOCK_K),
         scale=scale,
         causal=causal, mask=mask, window=window, kv_lengths=kv_lengths,
-        dropout_p=dropout_p, seed=seed, align=align))
+        dropout_p=dropout_p, seed=seed, align=align), added=True)
     o, lse, do = tiled.check_saved(q, v, o, lse, do)
     bh, d_v = q3.shape[0], v3.shape[-1]
     do3 = np.ascontiguousarray(do.reshape(bh, plan.nq, d_v))
@@ -109,14 +111,14 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         if bh >= numba.get_num_threads():  # a head per thread: one pass
             _backward_heads(q3, k3, v3, do3, shift, norm, delta, dq, dk,
                             dv, plan.block_q, plan.block_k, a.rules,
-                            a.kv_len, a.mask, log2e)
+                            a.kv_len, a.mask, a.added, log2e)
         else:  # too few heads to share out: key blocks, then query blocks
             _backward_kv(q3, k3, v3, do3, shift, norm, delta, dk, dv,
                          plan.block_q, plan.block_k, a.rules, a.kv_len,
-                         a.mask, log2e)
+                         a.mask, a.added, log2e)
             _backward_q(q3, k3, v3, do3, shift, norm, delta, dq,
                         plan.block_q, plan.block_k, a.rules, a.kv_len,
-                        a.mask, log2e)
+                        a.mask, a.added, log2e)
     g = a.rules.group
     dk, dv = (x.reshape(-1, g, *x.shape[1:]).sum(axis=1) if g > 1 else x
               for x in (dk, dv))
@@ -127,7 +129,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
 def unsupported(q_shape, k_shape, v_shape, *, mask=None, order="fa2",
                 num_splits=1):
     """Why these kernels cannot run a call (a sentence), or None if they
-    can: the callers that also have flashlab.tiled choose by it."""
+    can: the callers that also have flashlab.tiled choose by it. Every
+    mask runs here (boolean, or float: -inf refuses, other values add);
+    `mask` is taken so that callers need not know that."""
     if order not in ORDERS:
         return f"order {order!r}: the kernels run the FA2 loop order only"
     if num_splits != 1:
@@ -136,10 +140,6 @@ def unsupported(q_shape, k_shape, v_shape, *, mask=None, order="fa2",
         kernel_args.kernel_group(q_shape, k_shape, v_shape)
     except ValueError:
         return "k, v: a broadcast the kernels do not index"
-    if mask is not None and np.asarray(mask).dtype.kind == "f":
-        m = np.asarray(mask)
-        if not np.all((m == 0) | np.isneginf(m)):  # NaN too: it must show
-            return "mask: a float mask that adds to the scores"
     return None
 
 
@@ -194,14 +194,14 @@ def _row_statistics(q, k, lse, plan, a):
     m = np.full_like(lse, -np.inf)
     l = np.zeros_like(lse)
     _statistics(q, k, m, l, todo, plan.block_q, plan.block_k, a.rules,
-                a.kv_len, a.mask, q.dtype.type(_LOG2E))
+                a.kv_len, a.mask, a.added, q.dtype.type(_LOG2E))
     with np.errstate(divide="ignore"):  # l >= 1 on lossy rows
         return np.where(lossy, m, lse), np.where(lossy, 1 / l, norm)
 
 
 @njit(parallel=True, fastmath=_FAST)
 def _statistics(q, k, m, l, todo, block_q, block_k, r, kv_len, mask,
-                log2e):
+                added, log2e):
     """Row max m and sum l of exp(S - m) for the query blocks `todo`
     (numbered b * blocks per head + i0 / block_q): the forward's softmax
     with no V (d_v = 0)."""
@@ -224,7 +224,7 @@ def _statistics(q, k, m, l, todo, block_q, block_k, r, kv_len, mask,
             blas.gemm(False, True, br, bc, d, r.scale, q[b, i0:i0 + br],
                       k[bk, j0:j0 + bc], 0, s)
             _softmax_rows(s, m_i, l_i, no_values, br, bc, r, b, i0, j0,
-                          kv_len, mask, True, log2e)
+                          kv_len, mask, added, True, log2e)
 
 
 def _default(block, size):
@@ -268,15 +268,34 @@ def _row_span(i, j0, bc, r, kv_len):
 
 
 @njit(fastmath=_FAST)
+def _add_row(row, added, b, i, j, lowest):
+    """row (S's row i from key j on) += batch element b's float mask
+    values, and the row's max from lowest (the pass that adds finds it):
+    a -inf value refuses the pair whatever the score (NaN, +inf from bad
+    input), as masks.Rules.allowed does; a NaN value gives a NaN score,
+    so the row shows it."""
+    values = added.values[added.index[b]]  # (Nq or 1, Nk)
+    add = values[min(i, values.shape[0] - 1), j:j + row.shape[0]]
+    top = lowest
+    for c in range(row.shape[0]):
+        x = add[c]
+        y = x if x < lowest else row[c] + x  # below finfo.min: -inf
+        row[c] = y
+        top = vector.maximum(top, y)
+    return top
+
+
+@njit(fastmath=_FAST)
 def _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
-                  ragged, log2e):
+                  added, ragged, log2e):
     """Rows of S_ij -> P_ij in place; m, l, acc updated. See chapter 9.
 
     One row at a time, while it sits in L1: the row max, then exp2 and
     the row sum, over the row's allowed span only (ragged tiles: causal
     diagonal, window edges, padding), the mask array's refused scores
-    set to -inf first; the columns outside the span get P = 0 by slice
-    fills, so a masked tile costs no pass of its own.
+    set to -inf first, a float mask's values added; the columns outside
+    the span get P = 0 by slice fills, so a masked tile costs no pass
+    of its own.
     """
     lowest = r.lowest
     for a in range(br):
@@ -285,15 +304,19 @@ def _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
             lo, hi = _row_span(i0 + a, j0, bc, r, kv_len[b])
             hi = max(hi, lo)
         row = s[a, lo:hi]
+        # from lowest, not -inf: a row of -inf then shifts by lowest, as
+        # row_step does anyway, and the loop needs no typed -inf
+        tile_max = lowest
+        if added.used:  # the float mask first: a refused pair stays -inf
+            tile_max = _add_row(row, added, b, i0 + a, j0 + lo, lowest)
         if r.use_mask:
             keep = mask[b, i0 + a, j0 + lo:j0 + hi]
             for c in range(hi - lo):
                 row[c] = row[c] if keep[c] else -np.inf
-        # from lowest, not -inf: a row of -inf then shifts by lowest, as
-        # row_step does anyway, and the loop needs no typed -inf
-        tile_max = lowest
-        for c in range(hi - lo):
-            tile_max = vector.maximum(tile_max, row[c])
+        if r.use_mask or not added.used:
+            tile_max = lowest
+            for c in range(hi - lo):
+                tile_max = vector.maximum(tile_max, row[c])
         m[a], shift, alpha = _row_step(m[a], tile_max, lowest)
         row_sum = alpha * 0  # a zero of the array dtype
         for c in range(hi - lo):
@@ -311,7 +334,8 @@ def _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
 
 
 @njit(parallel=True, fastmath=_FAST)
-def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
+def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, added,
+             log2e):
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nq + block_q - 1) // block_q
@@ -335,7 +359,7 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
             ragged = r.use_mask or not _tile_full(i0, i0 + br, j0, j0 + bc,
                                                   r, kv_len[b])
             _softmax_rows(s, m, l, acc, br, bc, r, b, i0, j0, kv_len, mask,
-                          ragged, log2e)
+                          added, ragged, log2e)
             if r.use_dropout:  # dropped pairs leave the numerator only
                 for a in range(br):
                     for c in range(bc):
@@ -356,10 +380,11 @@ def _forward(q, k, v, o, lse, block_q, block_k, r, kv_len, mask, log2e):
 
 @njit(fastmath=_FAST)
 def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
-             i0, br, j0, bc, r, kv_len, mask, log2e):
+             i0, br, j0, bc, r, kv_len, mask, added, log2e):
     """Recompute the tile: P_ij Z into pz, dS_ij = P(dP Z - D) into s.
 
-    P = exp(S - shift) norm, row by row (see `_row_statistics`).
+    P = exp(S - shift) norm, row by row (see `_row_statistics`), with S
+    holding a float mask's values as the forward's did.
     """
     d, d_v = q_b.shape[1], v_b.shape[1]
     # S_ij and dP_ij = dO_i V_j^T: two BLAS calls, (br, bc)
@@ -378,6 +403,8 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
             lo, hi = (0, bc) if full else _row_span(i, j0, bc, r, kv_len[b])
             hi = max(hi, lo)
             s_a, dp_a, pz_a = s[a, lo:hi], dp[a, lo:hi], pz[a, lo:hi]
+            if added.used:
+                _add_row(s_a, added, b, i, j0 + lo, r.lowest)
             for c in range(hi - lo):
                 p = vector.exp2((s_a[c] - shift) * log2e) * w
                 pz_a[c] = p
@@ -389,6 +416,8 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
                 pz[a, hi:bc] = 0
             continue
         s_a, dp_a, pz_a = s[a, :bc], dp[a, :bc], pz[a, :bc]
+        if added.used:
+            _add_row(s_a, added, b, i, j0, r.lowest)
         for c in range(bc):
             j = j0 + c
             if not _allowed(r, b, i, j, kv_len, mask):
@@ -403,7 +432,7 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
 
 @njit(parallel=True, fastmath=_FAST)
 def _backward_heads(q, k, v, do, shift, norm, delta, dq, dk, dv, block_q,
-                    block_k, r, kv_len, mask, log2e):
+                    block_k, r, kv_len, mask, added, log2e):
     """All gradients of one batch element per thread, in one pass.
 
     The thread that owns a head owns its dQ too, so each tile's dS adds
@@ -429,7 +458,7 @@ def _backward_heads(q, k, v, do, shift, norm, delta, dq, dk, dv, block_q,
                     continue
                 _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
                          norm[b], delta[b], b, i0, br, j0, bc, r, kv_len,
-                         mask, log2e)
+                         mask, added, log2e)
                 blas.gemm(True, False, bc, d_v, br, 1, pz,
                           do[b, i0:i0 + br], 1, dv_j)
                 blas.gemm(True, False, bc, d, br, r.scale, s,
@@ -442,7 +471,7 @@ def _backward_heads(q, k, v, do, shift, norm, delta, dq, dk, dv, block_q,
 
 @njit(parallel=True, fastmath=_FAST)
 def _backward_kv(q, k, v, do, shift, norm, delta, dk, dv, block_q, block_k,
-                 r, kv_len, mask, log2e):
+                 r, kv_len, mask, added, log2e):
     bh, nq, d = q.shape
     nk, d_v = v.shape[1], v.shape[2]
     n_blocks = (nk + block_k - 1) // block_k
@@ -462,7 +491,7 @@ def _backward_kv(q, k, v, do, shift, norm, delta, dk, dv, block_q, block_k,
                 continue
             _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
                      norm[b], delta[b], b, i0, br, j0, bc, r, kv_len, mask,
-                     log2e)
+                     added, log2e)
             # dV_j += (P Z)^T dO_i and dK_j += tau dS^T Q_i: BLAS calls
             blas.gemm(True, False, bc, d_v, br, 1, pz, do[b, i0:i0 + br],
                       1, dv_j)
@@ -474,7 +503,7 @@ def _backward_kv(q, k, v, do, shift, norm, delta, dk, dv, block_q, block_k,
 
 @njit(parallel=True, fastmath=_FAST)
 def _backward_q(q, k, v, do, shift, norm, delta, dq, block_q, block_k, r,
-                kv_len, mask, log2e):
+                kv_len, mask, added, log2e):
     bh, nq, d = q.shape
     nk = k.shape[1]
     n_blocks = (nq + block_q - 1) // block_q
@@ -493,7 +522,7 @@ def _backward_q(q, k, v, do, shift, norm, delta, dq, block_q, block_k, r,
                 continue
             _ds_tile(s, dp, pz, q[b], k[bk], do[b], v[bk], shift[b],
                      norm[b], delta[b], b, i0, br, j0, bc, r, kv_len, mask,
-                     log2e)
+                     added, log2e)
             # dQ_i += tau dS_ij K_j: one BLAS call
             blas.gemm(False, False, br, d, bc, r.scale, s, k[bk, j0:j0 + bc],
                       1, dq_i)

@@ -32,12 +32,23 @@ class KernelRules(NamedTuple):
     group: int  # query heads per K/V head: K/V head of b is b // group
 
 
+class AddedScores(NamedTuple):
+    """A float mask as the CPU kernels add it to tau S: batch element b
+    adds values[index[b], i or 0, j] to score (i, j); -inf refuses."""
+
+    values: np.ndarray  # (M, Nq or 1, Nk) in q's dtype, M bias heads
+    index: np.ndarray  # (BH,) int64: which of the M each element adds
+    used: bool  # False: (1, 1, 1) zeros stand in, nothing is added
+
+
 class KernelArgs(NamedTuple):
     """The record and the two small arrays every kernel takes."""
 
     rules: KernelRules
     kv_len: np.ndarray  # (BH,) int64 valid keys per batch element
     mask: np.ndarray  # (BH, Nq, Nk) bool, or (1, 1, 1) when unused
+    # the CPU kernels' float mask that adds (flatten(..., added=True))
+    added: AddedScores | None = None
 
 
 def proxy(x, dtype=None):
@@ -50,10 +61,13 @@ def proxy(x, dtype=None):
     return np.broadcast_to(np.zeros((), dtype=dtype), tuple(x.shape))
 
 
-def flatten(q, k, v, options):
+def flatten(q, k, v, options, added=False):
     """Validate; return (q, k, v) as (BH, N, d) arrays, batch, plan, args.
 
-    options are the keyword arguments of `tiled.plan`.
+    options are the keyword arguments of `tiled.plan`. With added=True
+    (the CPU kernels) a float mask that adds to the scores comes back as
+    args.added, with no boolean mask (its -inf entries refuse); else
+    such a mask is refused.
     """
     shapes = [tuple(x.shape) for x in (q, k, v)]
     q, k, v, plan = tiled.plan(q, k, v, **options)
@@ -63,7 +77,11 @@ def flatten(q, k, v, options):
     batch = q.shape[:-2]
     bh = int(np.prod(batch))
     masks = plan.rules
-    if masks.bias is not None and np.any(masks.mask & (masks.bias != 0)):
+    adds = masks.bias is not None and bool(np.any(masks.mask & (
+        masks.bias != 0)))  # else 0 / -inf: the boolean mask says it all
+    if adds and added:  # the bias refuses its -inf pairs itself
+        masks = masks._replace(mask=None)
+    elif adds:
         raise ValueError(
             "mask: a float mask with values other than 0 and -inf adds to "
             "the scores, which the numba kernels do not; pass it to "
@@ -103,10 +121,30 @@ def flatten(q, k, v, options):
         rules=rules,
         kv_len=np.ascontiguousarray(kv_len.reshape(bh), dtype=np.int64),
         mask=mask,
+        added=(_added(masks.bias if adds else None, batch, plan.nk,
+                      q.dtype) if added else None),
     )
     q = q.reshape(bh, *q.shape[-2:])
     k, v = (x.reshape(bh // group, *x.shape[-2:]) for x in (k, v))
     return q, k, v, batch, plan, args
+
+
+def _added(bias, batch, nk, dtype):
+    """`AddedScores` of a float mask broadcastable to (*batch, Nq, Nk),
+    or the unused stand-in for None. Its batch dims are kept as given,
+    not broadcast (an index says which one each element adds), so a
+    (Nq, Nk) mask is not copied B H times; only a key axis of 1 is."""
+    if bias is None:
+        return AddedScores(np.zeros((1, 1, 1), dtype),
+                           np.zeros(1, np.int64), False)
+    bias = bias.reshape((1,) * (len(batch) + 2 - bias.ndim) + bias.shape)
+    lead, rows = bias.shape[:-2], bias.shape[-2]
+    index = np.broadcast_to(np.arange(int(np.prod(lead))).reshape(lead),
+                            batch).reshape(-1)
+    if bias.shape[-1] != nk:  # one value per row: spread over the keys
+        bias = np.broadcast_to(bias, (*lead, rows, nk))
+    values = np.ascontiguousarray(bias.reshape(-1, rows, nk), dtype=dtype)
+    return AddedScores(values, np.ascontiguousarray(index, np.int64), True)
 
 
 def kernel_group(q_shape, k_shape, v_shape):

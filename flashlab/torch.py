@@ -63,9 +63,9 @@ def _forward(q, k, v, mask, kv_lengths, seed, options):
 
 def _cpu_backend(q, k, v, kw, num_splits=1):
     """flashlab.cpu (the numba kernels) for a CPU call they can run;
-    flashlab.tiled, the numpy program, for the rest: float masks that add
-    to the scores (the kernels only allow or refuse a pair), the FA1
-    order and split-KV (the kernels run FA2's order in one pass)."""
+    flashlab.tiled, the numpy program, for the rest: the FA1 order and
+    split-KV (the kernels run FA2's order in one pass), and k, v
+    broadcasts the kernels do not index (`cpu.unsupported`)."""
     from flashlab import cpu  # numba loads with the first CPU call
 
     why = cpu.unsupported(q.shape, k.shape, v.shape, mask=kw["mask"],

@@ -21,6 +21,10 @@ CASES = {
     "plain": dict(),
     "bool mask": dict(mask="bool"),
     "-inf float mask": dict(mask="-inf"),
+    "additive float mask": dict(mask="add"),
+    "finfo.min fill": dict(mask="finfo.min"),
+    "-1e9 fill, causal": dict(mask="-1e9", causal=True, block_q=16,
+                              block_k=8),
     "causal top-left": dict(causal=True, block_q=16, block_k=8),
     "causal bottom-right": dict(causal="bottom_right", block_q=7,
                                 block_k=5),
@@ -33,7 +37,23 @@ CASES = {
     "gqa": dict(enable_gqa=True),
     "gqa, mask and dropout": dict(enable_gqa=True, mask="bool",
                                   dropout_p=0.2, seed=5),
+    "gqa, additive mask and dropout": dict(enable_gqa=True, mask="add",
+                                           dropout_p=0.2, seed=5),
 }
+
+
+def _float_mask(rng, keep, kind, dtype):
+    """A float mask from `keep`: 0 / -inf, N(0, 2) / -inf (an additive
+    mask), or N(0, 1) / a large finite fill (finfo.min, -1e9)."""
+    if kind == "-inf":
+        mask = np.where(keep, 0.0, -np.inf)
+    elif kind == "add":
+        mask = np.where(keep, 2 * rng.standard_normal(keep.shape), -np.inf)
+    else:
+        fill = (torch.finfo(dtype).min if kind == "finfo.min"
+                else float(kind))
+        mask = np.where(keep, rng.standard_normal(keep.shape), fill)
+    return torch.from_numpy(mask).to(dtype)
 
 
 def _inputs(rng, case, dtype):
@@ -47,8 +67,9 @@ def _inputs(rng, case, dtype):
     if kw.get("mask") is not None:
         keep = rng.random((B, 1, NQ, NK)) < 0.7
         keep[0, 0, 3] = False  # a fully masked row: 0, and no gradient
+        # (with a finite fill: the uniform average, its lse the fill)
         kw["mask"] = torch.from_numpy(keep) if kw["mask"] == "bool" else \
-            torch.from_numpy(np.where(keep, 0.0, -np.inf)).to(dtype)
+            _float_mask(rng, keep, kw["mask"], dtype)
     if kw.get("kv_lengths") is not None:
         kw["kv_lengths"] = torch.from_numpy(
             rng.integers(0, NK + 1, size=(B, 1)))
@@ -139,23 +160,26 @@ def test_cpu_route_is_taken_without_copies(rng, monkeypatch):
     assert seen == [True]  # numpy views of the tensors, not copies
 
 
+@pytest.mark.parametrize("kind", ["add", "finfo.min", "-1e9"])
+def test_float_masks_that_add_run_on_the_kernels(rng, monkeypatch, kind):
+    q, k, v, do, kw = _inputs(rng, dict(mask=kind), torch.float32)
+    calls = []
+    _watch(monkeypatch, tiled, calls)
+    _watch(monkeypatch, cpu, calls)
+    _run(q, k, v, do, kw)
+    assert calls == [("flashlab.cpu", "attention"),
+                     ("flashlab.cpu", "attention_backward")]
+
+
 @pytest.mark.parametrize("extra, forward, backward", [
-    (dict(mask="finfo.min"), "flashlab.tiled", "flashlab.tiled"),
     (dict(order="fa1"), "flashlab.tiled", "flashlab.cpu"),
     (dict(num_splits=2), "flashlab.tiled", "flashlab.cpu"),
 ])
 def test_what_the_kernels_cannot_run_falls_back_to_tiled(
         rng, monkeypatch, extra, forward, backward):
-    # float masks that add to scores: the kernels only allow or refuse a
-    # pair; fa1 and split-KV: the kernels run FA2 in one pass, while one
+    # fa1 and split-KV: the kernels run FA2 in one pass, while one
     # backward loop follows every forward order
     q, k, v, do, _ = _inputs(rng, {}, torch.float64)
-    if extra.get("mask") == "finfo.min":
-        keep = rng.random((B, 1, NQ, NK)) < 0.7
-        keep[1, 0, 2] = False
-        extra = dict(mask=torch.from_numpy(np.where(
-            keep, rng.standard_normal(keep.shape),
-            np.finfo(np.float64).min)))
     calls = []
     _watch(monkeypatch, tiled, calls)
     _watch(monkeypatch, cpu, calls)
@@ -168,11 +192,65 @@ def test_unsupported_names_the_reason():
     assert cpu.unsupported(shape, shape, shape) is None
     assert cpu.unsupported(shape, shape, shape, mask=np.zeros(
         (5, 5), bool)) is None
-    assert cpu.unsupported(shape, shape, shape, mask=np.full(
-        (5, 5), -np.inf)) is None
+    for fill in (-np.inf, -1e9, np.nan):  # every float mask runs here
+        assert cpu.unsupported(shape, shape, shape, mask=np.full(
+            (5, 5), fill)) is None
     for kw, word in ((dict(order="fa1"), "order"),
-                     (dict(num_splits=3), "num_splits"),
-                     (dict(mask=np.full((5, 5), -1e9)), "mask"),
-                     (dict(mask=np.full((5, 5), np.nan)), "mask")):
+                     (dict(num_splits=3), "num_splits")):
         assert cpu.unsupported(shape, shape, shape, **kw).startswith(word)
     assert cpu.unsupported(shape, (3, 5, 4), (3, 5, 4)).startswith("k, v")
+
+
+def _sdpa_math(*args, **kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kw)
+
+
+def _with_grads(fn, xs, do, *args, **kw):
+    """fn's output and the gradients of q, k, v (leaves made of xs)."""
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    out = fn(*leaves, *args, **kw)
+    return [out.detach(), *torch.autograd.grad(out, leaves, do)]
+
+
+MASK_RANKS = {2: (NQ, NK), 3: (H, NQ, NK), 4: (B, 1, NQ, NK)}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("rank", MASK_RANKS)
+@pytest.mark.parametrize("kind, dtype", [
+    ("add", torch.float64), ("finfo.min", torch.float64),
+    ("-1e9", torch.float64), ("add", torch.float32),
+    ("finfo.min", torch.float32)])
+def test_additive_masks_match_sdpa_math(rng, kind, dtype, rank, gqa):
+    # the drop-in on the kernels against torch's math backend called the
+    # same way; rows fully masked by a finite fill attend every key as
+    # SDPA's do (rows of -inf only are left out: SDPA gives NaN there,
+    # flashlab 0). float64: 1e-10, a few merges of rounding; float32:
+    # against SDPA's float64, within twice SDPA's own float32 error
+    # (floor 8 ulps). -1e9 in float32 rounds every fully masked score to
+    # the fill in flashlab and in SDPA alike, not in float64: left out.
+    kw = dict(enable_gqa=True) if gqa else {}
+    h_kv = H // 2 if gqa else H
+    shapes = ((B, H, NQ, D), (B, h_kv, NK, D), (B, h_kv, NK, DV))
+    xs = [torch.tensor(rng.standard_normal(s), dtype=dtype) for s in shapes]
+    do = torch.tensor(rng.standard_normal((B, H, NQ, DV)), dtype=dtype)
+    keep = rng.random(MASK_RANKS[rank]) < 0.7
+    keep[..., 0] = True
+    if kind != "add":
+        keep[..., 2, :] = False  # fully masked by the fill
+    mask = _float_mask(rng, keep, kind, dtype)
+    mine = _with_grads(fl_torch.attention, xs, do, mask, **kw)
+    truth = _with_grads(_sdpa_math, [x.double() for x in xs], do.double(),
+                        mask.double(), **kw)
+    theirs = _with_grads(_sdpa_math, xs, do, mask, **kw)
+    for name, a, t, w in zip(("o", "dq", "dk", "dv"), mine, theirs, truth):
+        assert a.dtype == dtype and a.shape == w.shape, name
+        assert torch.isfinite(a).all(), name
+        if dtype == torch.float64:
+            assert _err(a, w) < 1e-10, name
+        else:
+            floor = 8 * EPS32 * max(1.0, float(w.abs().max()))
+            assert _err(a, w) <= max(2 * _err(t, w), floor), name
