@@ -163,6 +163,21 @@ def test_cpu_suite_writes_its_columns_and_ratios(tmp_path):
             / r["ms"] / 1e9, rel=1e-3, abs=1e-3)
 
 
+def test_cpu_mask_suite_labels_its_rows(tmp_path):
+    # --cpu-masks: each mask kind's rows carry its name, and their ratios
+    # divide by SDPA's time with the same mask
+    suite = cpu.suite(reps=1, sizes=(64,), b=1, h=2, d=16, threads=1,
+                      masks=cpu.MASKS)
+    rows = cli.measure(suite, str(tmp_path))
+    _check_csv(tmp_path / "cpu_masks.csv", rows, report.FIELDS)
+    assert [r["impl"] for r in rows] == [
+        f"{impl} {mask}" for mask in cpu.MASKS for _ in range(2)
+        for impl in cpu.BACKWARD]
+    for mask in cpu.MASKS:
+        _check_ratios([r for r in rows if r["impl"].endswith(mask)],
+                      baseline=f"torch sdpa {mask}")
+
+
 def test_host_suite_on_the_cpu(tmp_path):
     suite = host.suite(shape=(1, 2, 32, 16), calls=3, device="cpu",
                        dtype="float32")

@@ -35,6 +35,9 @@ def main(argv=None):
                                  description=bench.__doc__.split("\n")[0])
     ap.add_argument("--no-gpu", action="store_true", help="skip the GPU")
     ap.add_argument("--cpu", action="store_true", help="run the CPU bench")
+    ap.add_argument("--cpu-masks", action="store_true",
+                    help="the CPU suite with a boolean and an additive "
+                         "float (N, N) mask (cpu_masks.csv)")
     ap.add_argument("--cpu-ladder", action="store_true",
                     help="the commits that built the CPU softmax, each in "
                          "a fresh process (a git checkout; cpu_ladder.json)")
@@ -76,6 +79,9 @@ def main(argv=None):
         rows = cpu.ladder()
         cpu.write_ladder(args.out, rows)
         return rows
+    if args.cpu_masks:
+        return measure(cpu.suite(reps=3 if args.quick else 5,
+                                 masks=cpu.MASKS), args.out)
     if args.ceilings:
         roofs = extras.gpu_ceilings()
         print(f"ceilings: float32 matmul {roofs['fp32_tflops']:.1f} TFLOP/s,"

@@ -5,8 +5,11 @@ both, forward and backward, full and causal, the calls of a case
 interleaved rep by rep in one process (medians); plus flashlab.cpu with
 64 x 64 tiles, its tile products alone, and the drop-in
 flashlab.torch.attention on the same tensors. Its rows join bench.csv
-(--cpu). `ladder` (--cpu-ladder) measures the commits that built the
-softmax, each in a fresh process, into cpu_ladder.json.
+(--cpu). With masks (--cpu-masks, cpu_masks.csv) the same calls take an
+(N, N) mask instead of the causal rule: a boolean one, and a float one
+that adds to the scores ("bias", as ALiBi's or a -1e9 fill's), refusing
+the same pairs. `ladder` (--cpu-ladder) measures the commits that built
+the softmax, each in a fresh process, into cpu_ladder.json.
 """
 
 import json
@@ -21,14 +24,21 @@ from flashlab.bench.runner import Case, Suite
 FORWARD = ("torch sdpa", "flashlab cpu", "flashlab.torch",
            "cpu 64x64 tiles", "cpu products only")
 BACKWARD = ("torch sdpa", "flashlab cpu", "flashlab.torch")
+MASKS = ("bool", "bias")  # --cpu-masks: a boolean mask, a float one
+REFUSED = 0.1  # the masks' share of refused pairs
 
 
-def suite(reps=5, sizes=(1024, 4096), b=1, h=4, d=64, threads=2):
-    """Forward and backward cases per size and causal setting."""
-    cases = tuple(Case(pass_, b, h, n, d, causal, impls, "torch sdpa",
-                       reps, params={"threads": threads})
+def suite(reps=5, sizes=(1024, 4096), b=1, h=4, d=64, threads=2,
+          masks=(None,)):
+    """Forward and backward cases per size and causal setting; with
+    masks (of MASKS), per size and mask, without the causal rule (SDPA
+    takes one or the other)."""
+    cases = tuple(Case(pass_, b, h, n, d, causal,
+                       impls[:3] if mask else impls, "torch sdpa", reps,
+                       params={"threads": threads, "mask": mask})
                   for n in sizes
-                  for causal in (False, True)
+                  for mask in masks
+                  for causal in ((False,) if mask else (False, True))
                   for pass_, impls in (("forward", FORWARD),
                                        ("backward", BACKWARD)))
     impls = {
@@ -43,12 +53,20 @@ def suite(reps=5, sizes=(1024, 4096), b=1, h=4, d=64, threads=2):
     }
     return Suite("cpu", cases, _inputs, impls, timing.interleaved,
                  columns=report.FIELDS, shown=report.SHOWN,
-                 device=f"cpu x{threads}", csv="bench.csv")
+                 device=f"cpu x{threads}",
+                 csv="bench.csv" if masks == (None,) else "cpu_masks.csv",
+                 label=_label)
+
+
+def _label(case, impl):
+    """The row's impl: with a mask, its kind after the impl's name."""
+    mask = case.params.get("mask")
+    return f"{impl} {mask}" if mask else impl
 
 
 def _inputs(case):
-    """q, k, v, dO: (B, H, N, d) float32 numpy arrays, seeded; torch and
-    numba set to the case's threads."""
+    """q, k, v, dO: (B, H, N, d) float32 numpy arrays, seeded, and the
+    case's (N, N) mask or None; torch and numba set to its threads."""
     import numba
     import numpy as np
     import torch
@@ -56,8 +74,26 @@ def _inputs(case):
     torch.set_num_threads(case.params["threads"])
     numba.set_num_threads(case.params["threads"])
     rng = np.random.default_rng(0)
-    return [rng.standard_normal((case.B, case.H, case.N, case.d),
-                                dtype=np.float32) for _ in range(4)]
+    x = [rng.standard_normal((case.B, case.H, case.N, case.d),
+                             dtype=np.float32) for _ in range(4)]
+    mask = case.params.get("mask")
+    if mask is not None:  # the same pairs refused by both kinds
+        keep = rng.random((case.N, case.N)) >= REFUSED
+        bias = rng.standard_normal((case.N, case.N), dtype=np.float32)
+        mask = keep if mask == "bool" else np.where(keep, bias, -np.inf)
+    return [*x, mask]
+
+
+def _rules(case, x, tensors=False):
+    """The keywords of a case's call: its causal rule, or its mask (as
+    SDPA's attn_mask, a tensor, when `tensors`)."""
+    if x[4] is None:
+        return {"is_causal" if tensors else "causal": case.causal}
+    if tensors:
+        import torch
+
+        return {"attn_mask": torch.from_numpy(x[4])}
+    return {"mask": x[4]}
 
 
 def _sdpa(case, x):
@@ -65,15 +101,16 @@ def _sdpa(case, x):
     import torch.nn.functional as F
 
     q, k, v = (torch.from_numpy(t) for t in x[:3])
-    return lambda: F.scaled_dot_product_attention(q, k, v,
-                                                  is_causal=case.causal)
+    rules = _rules(case, x, tensors=True)
+    return lambda: F.scaled_dot_product_attention(q, k, v, **rules)
 
 
 def _cpu(**blocks):
     def make(case, x):
         from flashlab import cpu
 
-        return lambda: cpu.attention(*x[:3], causal=case.causal, **blocks)
+        rules = _rules(case, x)
+        return lambda: cpu.attention(*x[:3], **rules, **blocks)
     return make
 
 
@@ -89,7 +126,8 @@ def _sdpa_backward(case, x):
     import torch.nn.functional as F
 
     leaves = [torch.from_numpy(t).requires_grad_() for t in x[:3]]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=case.causal)
+    out = F.scaled_dot_product_attention(*leaves,
+                                         **_rules(case, x, tensors=True))
     do = torch.from_numpy(x[3])
     return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
@@ -97,10 +135,10 @@ def _sdpa_backward(case, x):
 def _cpu_backward(case, x):
     from flashlab import cpu
 
-    q, k, v, do = x
-    o, lse = cpu.attention(q, k, v, causal=case.causal, return_lse=True)
-    return lambda: cpu.attention_backward(q, k, v, o, lse, do,
-                                          causal=case.causal)
+    q, k, v, do = x[:4]
+    rules = _rules(case, x)
+    o, lse = cpu.attention(q, k, v, return_lse=True, **rules)
+    return lambda: cpu.attention_backward(q, k, v, o, lse, do, **rules)
 
 
 def _drop_in(case, x):
@@ -110,7 +148,8 @@ def _drop_in(case, x):
     from flashlab import torch as fl_torch
 
     q, k, v = (torch.from_numpy(t) for t in x[:3])
-    return lambda: fl_torch.attention(q, k, v, is_causal=case.causal)
+    rules = _rules(case, x, tensors=True)
+    return lambda: fl_torch.attention(q, k, v, **rules)
 
 
 def _drop_in_backward(case, x):
@@ -120,7 +159,7 @@ def _drop_in_backward(case, x):
     from flashlab import torch as fl_torch
 
     leaves = [torch.from_numpy(t).requires_grad_() for t in x[:3]]
-    out = fl_torch.attention(*leaves, is_causal=case.causal)
+    out = fl_torch.attention(*leaves, **_rules(case, x, tensors=True))
     do = torch.from_numpy(x[3])
     return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
 
