@@ -392,8 +392,9 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
               k_b[j0:j0 + bc], 0, s)
     blas.gemm(False, True, br, bc, d_v, 1, do_b[i0:i0 + br],
               v_b[j0:j0 + bc], 0, dp)
-    # no mask array, no dropout: each row's allowed keys are one span
-    spans = not r.use_mask and not r.use_dropout
+    # no dropout: each row's keys allowed by the index rules are one span
+    # (a mask array refuses inside it by selects)
+    spans = not r.use_dropout
     full = _tile_full(i0, i0 + br, j0, j0 + bc, r, kv_len[b])
     for a in range(br):
         i = i0 + a
@@ -405,10 +406,18 @@ def _ds_tile(s, dp, pz, q_b, k_b, do_b, v_b, shift_b, norm_b, delta_b, b,
             s_a, dp_a, pz_a = s[a, lo:hi], dp[a, lo:hi], pz[a, lo:hi]
             if added.used:
                 _add_row(s_a, added, b, i, j0 + lo, r.lowest)
-            for c in range(hi - lo):
-                p = vector.exp2((s_a[c] - shift) * log2e) * w
-                pz_a[c] = p
-                s_a[c] = p * (dp_a[c] - delta_b[i])
+            if r.use_mask:  # refused: P = 0 and dS = 0, whatever dP is
+                keep = mask[b, i, j0 + lo:j0 + hi]
+                zero = r.drop_scale * 0  # a zero of the array dtype
+                for c in range(hi - lo):
+                    p = vector.exp2((s_a[c] - shift) * log2e) * w
+                    pz_a[c] = p if keep[c] else zero
+                    s_a[c] = p * (dp_a[c] - delta_b[i]) if keep[c] else zero
+            else:
+                for c in range(hi - lo):
+                    p = vector.exp2((s_a[c] - shift) * log2e) * w
+                    pz_a[c] = p
+                    s_a[c] = p * (dp_a[c] - delta_b[i])
             if lo > 0 or hi < bc:  # slice fills, as in _softmax_rows
                 s[a, :lo] = 0
                 s[a, hi:bc] = 0
