@@ -3,11 +3,12 @@
 bf16 or float16, sm_90a only. Deterministic and without atomics, as
 backward_v5: one kernel accumulates dQ per block of queries, the other
 dK and dV per block of keys, so dQ's S and dP are formed twice (seven
-products a tile pair where a backward with atomics needs five). A block
-is two warpgroups (256 threads); each owns 64 rows of the block's tiles
-and both read the streamed tiles of the other side, double-buffered:
+products a tile pair where a backward with atomics needs five). Each
+warpgroup of a block owns 64 rows of its tiles, and all of them read the
+streamed tiles of the other side, double-buffered (`GROUPS` says how many
+a block has):
 
-- `make_dq`: 128 query rows. Q_i and dO_i stay in shared memory; K_j
+- `make_dq`: 64 query rows. Q_i and dO_i stay in shared memory; K_j
   and V_j (64 keys) stream. S = Q_i K_j^T and dP = dO_i V_j^T are wgmma
   from shared memory (m64n64k16), P and dS = P (dP - D) are formed in
   registers, and dQ_i += dS K_j takes dS from registers as the A operand
@@ -36,7 +37,7 @@ from flashlab.gpu.forward_v7 import (
     descriptor_128b,
     handed_over,
     k_steps_128b,
-    load_panels,
+    make_load_panels,
     make_to_a,
 )
 from flashlab.gpu.intrinsics import (
@@ -55,19 +56,34 @@ from flashlab.gpu.warp import (
 )
 from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
 
-GROUPS = 2  # warpgroups per block
-THREADS = 128 * GROUPS
-OWN = 64 * GROUPS  # rows a block owns: queries (dQ) or keys (dK, dV)
+# warpgroups per block, by kernel: each owns 64 rows (queries for dQ,
+# keys for dK and dV) and all of a block's share the streamed tiles
+# (measured on the H200: one warpgroup per dQ block, so two blocks share
+# an SM and one's softmax runs under the other's products, is 5 to 12%
+# faster than two; for dK and dV two, loading each Q/dO tile once for
+# 128 keys, are as fast or faster)
+GROUPS = {"dq": 1, "dkv": 2}
 STREAMED = 64  # rows of the other side per streamed tile
 HEAD_DIMS = (64, 128)
 WG_ROWS = 64 * 128  # bytes to a warpgroup's 64 rows in each panel
 PACKS = {"bf16": pack_bf16x2, "f16": pack_f16x2}
 
 
-def shared_bytes(d, d_v):
-    """Dynamic shared memory per block, either kernel: the own rows of
-    two (d and d_v wide), two stages of the streamed ones, alignment."""
-    return 2 * (OWN * (d + d_v) + 2 * STREAMED * (d + d_v)) + ALIGN
+def threads(part):
+    """Threads per block of kernel `part` ("dq" or "dkv")."""
+    return 128 * GROUPS[part]
+
+
+def own(part):
+    """Rows a block of kernel `part` owns."""
+    return 64 * GROUPS[part]
+
+
+def shared_bytes(part, d, d_v):
+    """Dynamic shared memory per block of kernel `part`: its own rows of
+    two tiles (d and d_v wide), two stages of the streamed ones, and
+    room to align them."""
+    return 2 * (own(part) * (d + d_v) + 2 * STREAMED * (d + d_v)) + ALIGN
 
 
 @inline
@@ -87,7 +103,8 @@ def store_rows(g, out, b, r, n_rows, tq, tiles, factor):
 
 def make_dq(D, D_V, kind="bf16"):
     """dQ = tau dS K for head dims D, D_V and 16-bit `kind`."""
-    BR, BC = OWN, STREAMED  # query rows per block, keys per K/V tile
+    BR, BC = own("dq"), STREAMED  # query rows per block, keys per tile
+    load_panels = make_load_panels(threads("dq"))
     KD, KV, KP = D // 16, D_V // 16, BC // 16  # k-steps: S, dP, dQ
     NS, NQ = BC // 8, D // 8  # n-tiles of S (and dP), of dQ
     Q_S, O_S = BR * D, BR * D_V  # the block's own tiles (16-bit values)
@@ -202,7 +219,8 @@ def next_tile(it, nq, j0, j1, rules, kv):
 
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
-    BK, BQ = OWN, STREAMED  # keys per block, queries per Q/dO tile
+    BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
+    load_panels = make_load_panels(threads("dkv"))
     KD, KV, KP = D // 16, D_V // 16, BQ // 16  # k-steps: S^T, dP^T, dK/dV
     NS, NK, NV = BQ // 8, D // 8, D_V // 8  # n-tiles: S^T, dK, dV
     K_S, V_S = BK * D, BK * D_V  # the block's own tiles (16-bit values)

@@ -119,18 +119,26 @@ def k_steps_128b(rows, steps):
 panel_place = cuda.jit(device=True)(panel_copy_place)
 
 
-@inline
-def load_panels(dst, src, b, r0, rows, cols, t):
-    """load_cores into a 128-byte-swizzled tile (panel_copy_place)."""
-    n = src.shape[1]
-    offset, r, c, step = panel_place(t, cols // 8, rows, THREADS)
-    at = dst + uint32(offset)
-    src_at = global_address(src, (b, 0, 0)) + uint64(c * 16)
-    for p in range(rows // step):
-        i = r0 + r + p * step
-        cp_async16(at + uint32(p * step * 128),
-                   src_at + uint64(min(i, n - 1)) * uint64(cols * 2),
-                   int32(16 if i < n else 0))
+def make_load_panels(threads):
+    """load_panels for blocks of `threads` threads, all copying."""
+
+    @inline
+    def load_panels(dst, src, b, r0, rows, cols, t):
+        """load_cores into a 128-byte-swizzled tile (panel_copy_place)."""
+        n = src.shape[1]
+        offset, r, c, step = panel_place(t, cols // 8, rows, threads)
+        at = dst + uint32(offset)
+        src_at = global_address(src, (b, 0, 0)) + uint64(c * 16)
+        for p in range(rows // step):
+            i = r0 + r + p * step
+            cp_async16(at + uint32(p * step * 128),
+                       src_at + uint64(min(i, n - 1)) * uint64(cols * 2),
+                       int32(16 if i < n else 0))
+
+    return load_panels
+
+
+load_panels = make_load_panels(THREADS)
 
 
 @inline

@@ -128,8 +128,9 @@ KERNELS = (
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     *(Kernel(f"backward_v7_{part}_{kind}",
              functools.partial(make, kind=kind), f"backward16_{part}",
-             (dtype,), TENSOR_DIMS, (9, 0), backward_v7.THREADS,
-             max_cc=(9, 0), shared=backward_v7.shared_bytes)
+             (dtype,), TENSOR_DIMS, (9, 0), backward_v7.threads(part),
+             max_cc=(9, 0),
+             shared=functools.partial(backward_v7.shared_bytes, part))
       for part, make in (("dq", backward_v7.make_dq),
                          ("dkv", backward_v7.make_dkv))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),

@@ -144,9 +144,10 @@ def _backward16(m, d, d_v, keys):
 def _backward_wgmma(m, d, d_v, keys):
     """Two warpgroups of 64 own rows on wgmma, the other side streamed in
     two stages of dynamic SRAM; dK/dV keeps each stage's row terms."""
+    part = "dkv" if keys else "dq"
     shared = TERMS * F32 * 2 * m.STREAMED if keys else 0
-    return _mma(m.OWN, m.STREAMED, m.THREADS, d // 16, m.STREAMED // 8,
-                d // 8, shared)
+    return _mma(m.own(part), m.STREAMED, m.threads(part), d // 16,
+                m.STREAMED // 8, d // 8, shared)
 
 
 def _helper(spec):
