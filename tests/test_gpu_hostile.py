@@ -20,7 +20,9 @@ from flashlab import reference, tiled
 from flashlab.gpu import _Call, backward, device, kernel, traits, warp
 from helpers import max_abs_err, qkv
 
-UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # 16-bit unit roundoff
+# 16-bit unit roundoff; for chapter 9's float32 backward, P's ex2.approx
+# (2 ulps) and float32 rounding
+UNIT = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-21}
 
 
 def reference_grads(q, k, v, do, scale):
@@ -307,12 +309,6 @@ def as64(*tensors):
     return [x.double().cpu().numpy() for x in tensors]
 
 
-KNOWN = pytest.mark.xfail(
-    strict=False, reason="fails on the H200 (2026-11-30), open in issue 22: "
-    "v6's lse with scores beyond the fold limit misses its 1e-6 relative "
-    "budget (1.2e-6)")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", [5, 7])
 @pytest.mark.parametrize("dtype, value, tau, do_scale", [
@@ -384,7 +380,10 @@ def test_16bit_backward_scores_beyond_the_fold_limit(rng, version):
     check_half(got, *half_grads(*as64(q, k, v, o, do[0]), 1.0, "bfloat16"))
 
 
-@KNOWN
+@pytest.mark.xfail(
+    strict=False, reason="open in issue 22: on the H200 (2026-12-01) the "
+    "forward passes (the huge rows' lse exact, the others within their "
+    "float32 bound); this gradient budget is newer than the last GPU run")
 @pytest.mark.gpu
 def test_v6_float32_scores_beyond_the_fold_limit(rng):
     # float32 tau q.k up to 3e38 on the 3xTF32 forward (warp.tile_softmax
@@ -400,7 +399,37 @@ def test_v6_float32_scores_beyond_the_fold_limit(rng):
         q, k, v)), scale=1.0, return_lse=True)
     assert np.isfinite(o).all() and np.isfinite(lse).all()
     assert max_abs_err(o, o_ref) < 1e-5
-    assert max_abs_err(lse / lse_ref, 1.0) < 1e-6
+    # the huge rows: lse = their largest score within 1e-6 relative; the
+    # others (ordinary scores, lse near log Nk, where a relative bound
+    # says nothing): float32 sums of Nk terms, and each score's 3xTF32
+    # error, 2**-21 of sum |q||k| (chapter 10)
+    huge = np.zeros(lse_ref.shape, bool)
+    huge[0, 0] = True
+    assert max_abs_err(lse[huge] / lse_ref[huge], 1.0) < 1e-6
+    eps = float(np.finfo(np.float32).eps)
+    sums = (np.abs(q.astype(np.float64))
+            @ np.swapaxes(np.abs(k.astype(np.float64)), -1, -2)).max(-1)
+    tol = eps * (k.shape[-2] + 8 * (1 + np.abs(lse_ref))) + 2.0**-21 * sums
+    assert np.all(np.abs(lse - lse_ref)[~huge] <= tol[~huge])
+    # the gradients: half_grads' budget at float32's unit (dS = P (dP -
+    # D) cancels at the huge rows' one key, and |Q| is 3e38), plus P's
+    # error from the backward's own float32 scores, 2 d 2**-24 tau |q||k|,
+    # and from the saved lse, in the ordinary heads (the huge head's
+    # largest score is exact, k = 1, and its others give P = 0 however
+    # they round)
     do = rng.standard_normal(o.shape).astype(np.float32)
-    check(backward32(q, k, v, o, lse, do, scale=1.0),
-          reference_grads(q, k, v, do, 1.0))
+    want, allowed = half_grads(q, k, v, o, do, 1.0, "float32")
+    q64, k64, v64, o64, do64 = (x.astype(np.float64)
+                                for x in (q, k, v, o, do))
+    t = np.swapaxes
+    p = reference.softmax(reference.scores(q64, k64, scale=1.0))
+    rel = (2 * q.shape[-1] * 2.0**-24 * (np.abs(q64) @ t(np.abs(k64), -1,
+                                                        -2))
+           + np.abs(lse - lse_ref)[..., None])
+    rel[0, 0] = 0
+    ds = rel * p * np.abs(do64 @ t(v64, -1, -2)
+                          - (do64 * o64).sum(-1, keepdims=True))
+    extra = (ds @ np.abs(k64), t(ds, -1, -2) @ np.abs(q64),
+             t(rel * p, -1, -2) @ np.abs(do64))
+    check_half(backward32(q, k, v, o, lse, do, scale=1.0), want,
+               [a + e for a, e in zip(allowed, extra)])
