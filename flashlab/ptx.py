@@ -116,8 +116,8 @@ def arch_name(cc):
 
 
 def report(head_dims=HEAD_DIMS, only=()):
-    """{"kernel d dv": {"f64", "shared", "exp", "mma", "local", "regs",
-    "stack", "spill"}} for every GPU kernel (or those whose names start
+    """{"kernel d dv": {"f64", "shared", "exp", "mma", "wgmma", "local",
+    "regs", "stack", "spill"}} for every GPU kernel (or those whose names start
     with one of `only`); the last three from `assemble`, None where no
     ptxas is installed."""
     from flashlab import gpu
@@ -137,6 +137,7 @@ def report(head_dims=HEAD_DIMS, only=()):
                                        "shared": shared_bytes(ptx),
                                        "exp": fast_exps(ptx),
                                        "mma": tensor_ops(ptx),
+                                       "wgmma": ptx.count("wgmma.mma_async"),
                                        "local": local_bytes(ptx),
                                        **(assemble(ptx, HOPPER) if tool else
                                           dict.fromkeys(ASSEMBLED))}

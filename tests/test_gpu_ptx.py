@@ -75,13 +75,35 @@ def test_hot_kernels_do_not_spill(report):
     # backward) keep everything in registers, no stack, no spill
     assert ptx.ptxas() is not None, "requirements.txt installs ptxas"
     hot = ("forward_v3", "forward_v4", "forward_v5", "forward_v6",
-           "backward_v5", "backward_q_blocked", "backward_kv_blocked")
+           "backward_v5", "backward_v7", "backward_q_blocked",
+           "backward_kv_blocked")
     spilled = {k: (r["regs"], r["stack"], r["spill"])
                for k, r in report.items() if k.startswith(hot)
                and (r["stack"] or r["spill"] or r["regs"] > 255)}
     assert not spilled, f"(registers, stack, spill bytes): {spilled}"
     # and the numbers are read, not defaulted: v2 at d = 128 does spill
     assert report["forward_v2 128 128"]["spill"] > 0
+
+
+def test_backward_v7_is_wgmma_kept_asynchronous(report):
+    # every product of a tile pair is one wgmma asm statement of its
+    # k-steps: dQ's S and dP over d and d_v, dS K over the 64 streamed
+    # keys; dK/dV's S^T and dP^T, then P^T dO and dS^T Q over the 64
+    # streamed queries. No mma.sync is left, and ptxas keeps the wgmmas
+    # asynchronous (the whole-program assembly of launch.assemble)
+    from flashlab.gpu import backward_v7
+
+    keys = [k for k in report if k.startswith("backward_v7")]
+    assert len(keys) == 2 * 2 * 2  # dq, dkv; bf16, f16; d 64, 128
+    streamed = backward_v7.STREAMED // 16
+    for key in keys:
+        r = report[key]
+        d, d_v = map(int, key.split()[1:])
+        extra = {"dq": 1, "dkv": 2}[key.split("_")[2]]
+        assert r["wgmma"] == d // 16 + d_v // 16 + extra * streamed, (
+            key, r)
+        assert r["mma"] == 0 and r["local"] == 0 and r["f64"] == 0, key
+        assert not r["serialized"], key
 
 
 def test_the_check_can_see_float64(report):

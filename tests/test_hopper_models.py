@@ -281,3 +281,43 @@ def test_v7_swizzled_tiles_are_the_operands_its_descriptors_read(d, d_v):
         np.testing.assert_array_equal(
             fr.wgmma_operand(tiles[2], desc, d_v, True),
             v[16 * s:16 * s + 16])
+
+
+@pytest.mark.parametrize("part", ["dq", "dkv"])
+@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
+def test_backward_v7_tiles_are_the_operands_its_descriptors_read(part, d,
+                                                                  d_v):
+    # backward_v7's copies (its block's threads), descriptors and k-step
+    # offsets on the model: each warpgroup's own rows are the A operand of
+    # S (or S^T) over d and of dP (dP^T) over d_v; the streamed tile is
+    # B of those, read K-major, and B of dQ (K_j) or of dK, dV (Q_i,
+    # dO_i), read MN-major, 16 rows a k-step
+    from flashlab.gpu import backward_v7 as b7
+    from flashlab.gpu import forward_v7 as v7
+
+    rng = np.random.default_rng(d + d_v + len(part))
+    own, rows = b7.own(part), b7.STREAMED
+    threads = b7.threads(part)
+    for width in (d, d_v):
+        mine = rng.integers(0, 2 ** 15, (own, width))
+        other = rng.integers(0, 2 ** 15, (rows, width))
+        tile, streamed = (_fill_panels(x, threads) for x in (mine, other))
+        lbo, sbo, _, _ = fr.k_major_128b(own)
+        for wg in range(b7.GROUPS[part]):
+            for s, at in enumerate(v7.k_steps_128b(own, width // 16)):
+                desc = fr.descriptor_128b(wg * b7.WG_ROWS + at, lbo, sbo)
+                np.testing.assert_array_equal(
+                    fr.wgmma_operand(tile, desc, 64, False),
+                    mine[64 * wg:64 * wg + 64, 16 * s:16 * s + 16])
+        lbo, sbo, _, _ = fr.k_major_128b(rows)
+        for s, at in enumerate(v7.k_steps_128b(rows, width // 16)):
+            np.testing.assert_array_equal(
+                fr.wgmma_operand(streamed, fr.descriptor_128b(at, lbo, sbo),
+                                 rows, False),
+                other[:, 16 * s:16 * s + 16])
+        lbo, sbo, step = fr.mn_major_128b(rows)
+        for s in range(rows // 16):
+            np.testing.assert_array_equal(
+                fr.wgmma_operand(streamed, fr.descriptor_128b(
+                    s * step, lbo, sbo), width, True),
+                other[16 * s:16 * s + 16])
