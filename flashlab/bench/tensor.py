@@ -3,8 +3,9 @@
 Per (d, N, causal), B=2, H=8: bf16 forward of v5 (and v7, v8 on Hopper)
 against torch's flash (the baseline) and cuDNN backends (rows left out
 where a build has no cuDNN attention); the bf16 backward of flashlab.torch
-(backward_v5) against torch's flash backward; float32 forward of v6 at
-3xTF32 and at tf32, and of v3, against torch's memory-efficient kernel.
+(backward_v7 on Hopper, backward_v5 elsewhere) against torch's flash
+backward; float32 forward of v6 at 3xTF32 and at tf32, and of v3,
+against torch's memory-efficient kernel.
 Writes tensor.csv (--backward-only: tensor_backward.csv).
 """
 
@@ -110,7 +111,8 @@ def _sdpa(backend):
 
 def _backward(backend):
     """Autograd from a saved forward, timed alone: flashlab.torch (the
-    tensor cores' backward_v5) for None, else torch's `backend`."""
+    tensor cores' backward, v7 on Hopper) for None, else torch's
+    `backend`."""
     def make(case, x):
         import torch
         import torch.nn.functional as F

@@ -3,7 +3,8 @@
 Any N and the mask, padding, window, dropout and non-finite semantics of
 `flashlab.tiled`. v1-v4 and the backward compute on the float32 units
 (head dims 16-128 in multiples of 16); v5 (bf16, float16) and v6
-(float32 by 3xTF32) on the tensor cores (head dims 64 and 128). The
+(float32 by 3xTF32) on the tensor cores (head dims 64 and 128), v7 and
+v8 on Hopper's warpgroup MMA. The
 package, in the order chapters 9 and 10 read it:
 
 - `device`: tile layouts and the device functions every kernel shares;
@@ -12,6 +13,11 @@ package, in the order chapters 9 and 10 read it:
 - `intrinsics`, `warp`, `forward_v5`, `forward_v6`: mma.sync, ldmatrix
   and cp.async from numba, and the warp-level kernels built on them;
 - `backward`: dK/dV and dQ kernels, deterministic, no atomics;
+  `backward_v5` on mma.sync and `backward_v7` on Hopper's wgmma, the
+  same two kernels for bf16 and float16;
+- `wgmma`, `tma`, `forward_v7`, `forward_v8`: Hopper's warpgroup MMA,
+  tensor-memory copies and mbarriers, and the forwards built on them
+  (chapter 12);
 - `registry`: every kernel described once (dtypes, head dims, compute
   capabilities), and the version a device runs;
 - `launch`, `build`: numba compiles, the driver loads and launches
@@ -29,6 +35,7 @@ from flashlab.gpu import (  # noqa: F401
     adapters,
     backward,
     backward_v5,
+    backward_v7,
     device,
     forward_v1,
     forward_v2,
