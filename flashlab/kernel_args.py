@@ -5,7 +5,8 @@ work on (BH, N, d) arrays; with grouped heads k and v are (BH / g, N,
 d). Every scalar rule of a call (scale, mask geometry, dropout, heads per
 group) travels in one `KernelRules` record, a namedtuple that numba
 passes to njit functions and CUDA kernels alike, so a new rule is a new
-field here and nowhere else in the signatures.
+field here and nowhere else in the signatures. A float mask that adds to
+the scores reaches the CPU kernels as one `AddedScores` record.
 """
 
 from typing import NamedTuple
@@ -84,9 +85,9 @@ def flatten(q, k, v, options, added=False):
     elif adds:
         raise ValueError(
             "mask: a float mask with values other than 0 and -inf adds to "
-            "the scores, which the numba kernels do not; pass it to "
-            "flashlab.tiled (or flashlab.torch on the CPU), or a boolean "
-            "mask here")
+            "the scores, which the CUDA kernels do not; pass it to "
+            "flashlab.cpu or flashlab.tiled (or flashlab.torch on the "
+            "CPU), or a boolean mask here")
     if np.ndim(masks.offset):  # a diagonal per element: as a mask
         masks = masks._replace(causal=False, offset=0, window=None,
                                mask=masks.allowed(range(plan.nq),
