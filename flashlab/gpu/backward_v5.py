@@ -106,6 +106,35 @@ def p_of(s, tau, shift):
     return ex2((s * tau - shift) * LOG2E)
 
 
+@inline
+def ds_of_rows(sf, pf, tiles, tau, sh, zn, dl, gone):
+    """S fragments sf -> dS = P (dP Z - D) in place (the norm in zn, dl),
+    dP in pf: a tile whose rows are queries, the lane's rows g and g + 8
+    taking row_terms' (sh, zn, dl)[h]; dropout bits `gone`."""
+    for n in range(tiles):
+        for x in range(4):
+            h = x >> 1
+            z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
+            p = p_of(sf[n, x], tau, sh[h])
+            sf[n, x] = p * (pf[n, x] * z - dl[h])
+
+
+@inline
+def ds_of_columns(sf, pf, tiles, tau, c0, sh, zn, dl, ok, gone):
+    """S^T, dP^T fragments -> P^T Z in sf and dS^T in pf: a transposed
+    tile whose element (n, x) is query column c0 + 8 n + (x & 1) (c0 the
+    lane's first), taking row_terms' sh, zn, dl of each; pairs allowed by
+    bits `ok`, dropped by bits `gone`."""
+    for n in range(tiles):
+        for x in range(4):
+            c = c0 + 8 * n + (x & 1)
+            bit = 4 * n + x
+            p = p_of(sf[n, x], tau, sh[c]) if (ok >> bit) & 1 else F0
+            z = F0 if (gone >> bit) & 1 else zn[c]
+            sf[n, x] = p * z
+            pf[n, x] = p * (pf[n, x] * z - dl[c])
+
+
 def _load16(unpack):
     """Element c of row i of x[b], x holding 16-bit values as int16 bits,
     widened to float32 by the kind's `unpack` (exact)."""
@@ -286,12 +315,7 @@ def make_dq(D, D_V, kind="bf16"):
                                 mask, NS)
                 gone = dropped_bits(b, row, j0 + c0, rules, NS) if (
                     rules.use_dropout) else int64(0)
-                for n in range(NS):
-                    for x in range(4):
-                        h = x >> 1
-                        z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
-                        p = p_of(sf[n, x], tau, sh[h])
-                        sf[n, x] = p * (pf[n, x] * z - dl[h])
+                ds_of_rows(sf, pf, NS, tau, sh, zn, dl, gone)
                 # dQ_i += dS K_j: dS's C fragments are its A fragments
                 c_times_b(gf, sf, af, kt, NS // 2, NQ, CQ)
             cuda.syncthreads()  # no warp reads K_j, V_j any more
@@ -400,16 +424,9 @@ def make_dkv(D, D_V, kind="bf16"):
                     b, key, i0 + c0, nq, nk, rules, kv_len, mask, NS, True)
                 gone = dropped_bits_of(b, key, i0 + c0, rules, NS, True) \
                     if rules.use_dropout else int64(0)
-                # P^T / norm (p_of); the norm is in zn_s and dl_s
-                for n in range(NS):
-                    for x in range(4):
-                        c = c0 + 8 * n + tq + (x & 1)
-                        bit = (4 * n + x)
-                        p = p_of(sf[n, x], tau, sh_s[c]) if (
-                            ok >> bit) & 1 else F0
-                        z = F0 if (gone >> bit) & 1 else zn_s[c]
-                        sf[n, x] = p * z
-                        pf[n, x] = p * (pf[n, x] * z - dl_s[c])
+                # P^T Z and dS^T (p_of); the norm is in zn_s and dl_s
+                ds_of_columns(sf, pf, NS, tau, c0 + tq, sh_s, zn_s, dl_s, ok,
+                              gone)
                 # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: C fragments
                 # are A fragments, dO_i and Q_i the B operands (read
                 # transposed)

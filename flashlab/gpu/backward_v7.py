@@ -29,7 +29,7 @@ stage it refills has been waited for. Tiles lie 128-byte swizzled
 from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from flashlab import fragments
-from flashlab.gpu.backward_v5 import p_of, row_terms
+from flashlab.gpu.backward_v5 import ds_of_columns, ds_of_rows, row_terms
 from flashlab.gpu.device import F0, inline, tile_full, tile_skipped
 from flashlab.gpu.forward_v7 import (
     ALIGN,
@@ -190,12 +190,7 @@ def make_dq(D, D_V, kind="bf16"):
                             NS)  # masked scores -inf: P 0
             gone = dropped_bits(b, row, j0, rules, NS) if (
                 rules.use_dropout) else int64(0)
-            for n in range(NS):
-                for x in range(4):
-                    h = x >> 1
-                    z = F0 if (gone >> (4 * n + x)) & 1 else zn[h]
-                    p = p_of(sf[n, x], tau, sh[h])
-                    sf[n, x] = p * (pf[n, x] * z - dl[h])
+            ds_of_rows(sf, pf, NS, tau, sh, zn, dl, gone)
             to_a(af, sf)  # dS rounded to 16 bits: dQ's A operand
             g_issue(gf, af, t_desc + next_stage * uint64(now))
             g_wait(gf, af)
@@ -329,15 +324,8 @@ def make_dkv(D, D_V, kind="bf16"):
                 b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
             gone = dropped_bits_of(b, key, i0, rules, NS, True) \
                 if rules.use_dropout else int64(0)
-            for n in range(NS):
-                for x in range(4):
-                    c = 8 * n + tq + (x & 1)
-                    bit = 4 * n + x
-                    p = p_of(sf[n, x], tau, terms[now, 0, c]) if (
-                        ok >> bit) & 1 else F0
-                    z = F0 if (gone >> bit) & 1 else terms[now, 1, c]
-                    sf[n, x] = p * z
-                    pf[n, x] = p * (pf[n, x] * z - terms[now, 2, c])
+            ds_of_columns(sf, pf, NS, tau, tq, terms[now, 0],
+                          terms[now, 1], terms[now, 2], ok, gone)
             # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: the rounded C
             # fragments are the A operands, dO_i and Q_i read MN-major
             to_a(pa, sf)
