@@ -260,3 +260,78 @@ register("wait_parity", Exercise(
       "parity 1 at once)", _parity_same),
      ("a parity is one bit: take the pass number modulo 2",
       _parity_not_a_bit))))
+
+# ----------------------------------------------------------- p_exponent
+
+_LOG2E = np.float32(np.log2(np.e))
+
+
+def _cases_p_exponent(rng):
+    f = np.float32
+    s = (rng.standard_normal(40) * 3).astype(f)
+    tau = f(0.125)
+    shift = f(np.log(np.exp(s.astype(np.float64) * 0.125).sum()))
+    huge = np.full(10, 1.8e7, f)
+    third = f(0.3)
+    big = np.array([3.0e38, 2.5e38, -3.0e38], f)
+    cases = (("ten equal scores of 1.8e7, tau = 0.5", huge, f(0.5),
+              f(huge[0] * f(0.5))),
+             ("ten equal scores of 1.8e7, tau = 0.3", huge, third,
+              f(huge[0] * third)),
+             ("ten equal scores of -3e38, tau = 1", np.full(10, -3e38, f),
+              f(1), f(-3e38)),
+             ("scores up to 3e38 against a shift of 3e38", big, f(1),
+              big[0]),
+             ("ordinary scores, shift = the row's lse", s, tau, shift))
+    out = []
+    for name, s, tau, shift in cases:
+        with np.errstate(over="ignore"):
+            want = p_exponent(s, tau, shift).astype(np.float64)
+        out.append(Case(name, (s, tau, shift), want))
+    return out
+
+
+def p_exponent(s, tau, shift):
+    """Chapter 12: log2 of P / norm for float32 scores s (the backward's
+    p_of), in float32 as the kernels compute it.
+
+    s tau is rounded to float32 first, exactly as the forward and
+    row_statistics rounded it when they found the shift; the shift is
+    subtracted next, and log2 e multiplies last. Equal scores then give
+    exactly 0 (P = 1 before the norm), and no finite score overflows.
+    """
+    x = (s * tau).astype(np.float32)
+    return ((x - shift).astype(np.float32) * _LOG2E).astype(np.float32)
+
+
+def _exponent_folded(s, tau, shift):
+    # one FMA, x log2 e - (shift log2 e), the product exact inside it
+    x = (s * tau).astype(np.float32)
+    folded = (shift * _LOG2E).astype(np.float32)
+    return (x.astype(np.float64) * np.float64(_LOG2E) - folded).astype(
+        np.float32)
+
+
+def _exponent_unrounded(s, tau, shift):
+    x = s.astype(np.float64) * np.float64(tau)
+    return ((x - shift) * _LOG2E).astype(np.float32)
+
+
+def _exponent_float64(s, tau, shift):
+    x = s.astype(np.float64) * np.float64(tau)
+    return (x - np.float64(shift)) * np.log2(np.e)
+
+
+register("p_exponent", Exercise(
+    12, "p_exponent(s (n,) float32, tau, shift) -> (n,): log2 of P / norm "
+    "as backward_v5.p_of forms it, in float32 (P = 2 ** p_exponent)",
+    _cases_p_exponent, p_exponent,
+    (("folding log2 e into the shift rounds shift log2 e on its own: at "
+      "a shift of 9e6 that rounding is up to half a unit of the exponent "
+      "(P off by up to 41%), and at 3e38 it overflows. Subtract the shift "
+      "first, then multiply by log2 e", _exponent_folded),
+     ("round s tau to float32 before subtracting: the shift is the "
+      "rounded value, so an unrounded product leaves its rounding error "
+      "in the exponent", _exponent_unrounded),
+     ("compute in float32, as the kernel does: float64 arithmetic rounds "
+      "differently", _exponent_float64))))
