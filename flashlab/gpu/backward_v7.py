@@ -5,25 +5,26 @@ backward_v5: one kernel accumulates dQ per block of queries, the other
 dK and dV per block of keys, so dQ's S and dP are formed twice (seven
 products a tile pair where a backward with atomics needs five). Each
 warpgroup of a block owns 64 rows of its tiles, and all of them read the
-streamed tiles of the other side, double-buffered (`GROUPS` says how many
-a block has):
+streamed tiles of the other side, double-buffered (`GROUPS` says how
+many a block has):
 
-- `make_dq`: 64 query rows. Q_i and dO_i stay in shared memory; K_j
-  and V_j (64 keys) stream. S = Q_i K_j^T and dP = dO_i V_j^T are wgmma
-  from shared memory (m64n64k16), P and dS = P (dP - D) are formed in
-  registers, and dQ_i += dS K_j takes dS from registers as the A operand
-  and K_j, read MN-major, as B.
-- `make_dkv`: 128 keys. K_j and V_j stay; Q_i and dO_i (64 queries)
-  stream with their rows' statistics. S^T = K_j Q_i^T and dP^T = V_j
-  dO_i^T from shared memory, then dV_j += (P^T Z) dO_i and dK_j += dS^T
-  Q_i with P^T and dS^T as register A operands.
+- `make_dq`: 64 query rows (one warpgroup). Q_i and dO_i stay in shared
+  memory; K_j and V_j (64 keys) stream. S = Q_i K_j^T and dP = dO_i
+  V_j^T are wgmma from shared memory (m64n64k16), P and dS = P (dP - D)
+  are formed in registers, and dQ_i += dS K_j takes dS from registers as
+  the A operand and K_j, read MN-major, as B.
+- `make_dkv`: 128 keys (two warpgroups). K_j and V_j stay; Q_i and dO_i
+  (64 queries) stream with their rows' statistics. S^T = K_j Q_i^T and
+  dP^T = V_j dO_i^T from shared memory, then dV_j += (P^T Z) dO_i and
+  dK_j += dS^T Q_i with P^T and dS^T as register A operands.
 
 An accumulator is backward_v5's C fragments stacked over a warpgroup
 (fragments.wgmma_c_places), so its element-wise steps (`row_terms`,
-`p_of`, masks and dropout bits) apply unchanged. Per tile, one barrier
-hands the next tile's stage over: by then every product that read the
-stage it refills has been waited for. Tiles lie 128-byte swizzled
-(forward_v7.load_panels) in dynamic shared memory. See chapter 12.
+`ds_of_rows`, `ds_of_columns`, masks and dropout bits) apply unchanged.
+Per tile, one barrier hands the next tile's stage over: by then every
+product that read the stage it refills has been waited for. Tiles lie
+128-byte swizzled (forward_v7.load_panels) in dynamic shared memory. See
+chapter 12.
 """
 
 from numba import cuda, float32, int16, int32, int64, uint32, uint64
