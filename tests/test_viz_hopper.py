@@ -21,7 +21,10 @@ def test_ncu_sections_reads_every_metric_of_the_stored_profile():
     for name, body in zip(profile, text.split("== ")[1:]):
         want = {m[0]: float(m[1].replace(",", "")) for m in re.findall(
             r"^\s+(\w+__\S+)\s+\S+\s+([\d,.]+)\s*$", body, re.M)}
-        assert profile[name] == want and len(want) == 23
+        # the forwards' 23 metrics; backward_v7's sections have no L2
+        # traffic, and their tensor-pipe metric reads "n/a" (skipped)
+        count = 22 if name.startswith("backward") else 23
+        assert profile[name] == want and len(want) == count
     first = next(iter(profile.values()))
     stalls = viz.stall_reasons(first)
     wait = "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio"
