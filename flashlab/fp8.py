@@ -78,7 +78,7 @@ def _binade(a):
 
 
 def to_e4m3(x):
-    """x (...) real -> (...) uint8 codes, as cvt.rn.satfinite. See ch. 12."""
+    """x (...) -> uint8 codes, rounded as cvt.rn.satfinite. See chapter 12."""
     x = _as_real("x", x)
     a = np.abs(x)
     finite = np.isfinite(a)
