@@ -158,6 +158,45 @@ def a_from_c(r):
     return r // 2, 2 * (r % 2)
 
 
+def a8_from_c(r, y):
+    """(n-tile, element) of S's C fragments that byte y of the 8-bit A
+    register r packs.
+
+    An e4m3 k-step is 32 keys, four n-tiles of S. A lane's A bytes are 4
+    consecutive keys (wgmma_a8_places) where its C fragments hold pairs 8
+    keys apart: rather than move bytes between lanes, register r takes
+    the pairs of n-tiles 2 (r // 2) and 2 (r // 2) + 1 that the lane
+    holds, and V's keys are stored in the matching order (KEY_ORDER_8BIT).
+    """
+    return 2 * (r // 2) + y // 2, 2 * (r % 2) + y % 2
+
+
+def key_of_column8(k):
+    """The key (0..31) that A column k of an e4m3 k-step holds when P is
+    packed by a8_from_c: V^T's column k must hold V's row of that key.
+    Column 16 h + 4 t + y is lane t's byte y of register 2 h (+ 1)."""
+    half, lane, y = k // 16, (k % 16) // 4, k % 4
+    return 16 * half + 8 * (y // 2) + 2 * lane + y % 2
+
+
+def key_order_8bit():
+    """(32,) key_of_column8 of every column."""
+    return key_of_column8(np.arange(32))
+
+
+def wgmma_a8_places():
+    """(128, 4, 4, 2) place of each byte of the register A operand of an
+    8-bit m64nNk32: byte y of register r of lane t holds row g (+ 8 for
+    odd r), column 4 (t % 4) + y (+ 16 for r >= 2), in warp t // 32's 16
+    rows (mma.sync m16n8k32's A fragment, stacked)."""
+    warp, lane = np.arange(128) // 32, np.arange(128) % 32
+    r, y = np.arange(4)[None, :, None], np.arange(4)[None, None, :]
+    rows = (lane // 4 + 16 * warp)[:, None, None] + 8 * (r % 2)
+    cols = 4 * (lane % 4)[:, None, None] + y + 16 * (r // 2)
+    rows, cols = np.broadcast_arrays(rows, cols)
+    return np.stack([rows, cols], -1)
+
+
 def swizzle(row, chunk):
     """Stored place of 16-byte chunk `chunk` of tile row `row`.
 
@@ -351,6 +390,30 @@ def swizzle_address(address):
     """The 128-byte swizzle of a byte address: bits 4-6 (the 16-byte
     chunk) XOR bits 7-9 (the row within a 1024-byte atom)."""
     return address ^ (((address >> 7) & 7) << 4)
+
+
+def wgmma_operand8(shared, desc, mn):
+    """wgmma_operand for 8-bit values (shared: 1-D, element e at byte e):
+    the (mn, 32) K-major operand of an e4m3 k-step, 32 bytes along each
+    row, through a 128-byte-swizzled descriptor (8-bit operands have no
+    MN-major form)."""
+    if int(desc) >> 62 != SWIZZLE_128B:
+        raise ValueError("desc: the 8-bit model reads 128-byte-swizzled "
+                         "tiles only")
+    start, _, sbo = descriptor_fields(desc)
+    m = np.arange(mn)[:, None]
+    k = np.arange(32)[None, :]
+    return shared[swizzle_address(start + (m // 8) * sbo + (m % 8) * 128
+                                  + k)]
+
+
+def tma_box(matrix):
+    """A (rows, 128) byte matrix as TMA's 128-byte swizzle lands it: 1-D
+    bytes, row r's 16-byte chunk c at chunk c ^ (r % 8) of its row."""
+    rows = matrix.shape[0]
+    out = np.empty(rows * 128, matrix.dtype)
+    out[swizzle_address(np.arange(rows * 128))] = matrix.reshape(-1)
+    return out
 
 
 def _operand_128b(shared, desc, mn, transposed):

@@ -9,32 +9,51 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from flashlab import fp8
 from flashlab.gpu import device
 
 
-@pytest.mark.parametrize("half", [False, True])
-@pytest.mark.parametrize("nk", [1, 70, 333])
-def test_flags_match_numpy(rng, half, nk):
-    bh, d_v = 2, 16
-    v = rng.standard_normal((bh, nk, d_v)).astype(np.float16 if half
-                                                  else np.float32)
-    for _ in range(3):  # a NaN, an inf, a -inf at random places
-        b, j, x = (int(rng.integers(0, n)) for n in (bh, nk, d_v))
-        v[b, j, x] = rng.choice([np.nan, np.inf, -np.inf])
+def _e4m3(x):
+    """float64 values as e4m3 codes (NaN codes where x is not finite)."""
+    codes = fp8.to_e4m3(np.where(np.isfinite(x), x, 0))
+    return np.where(np.isfinite(x), codes, fp8.NAN_CODE).astype(np.uint8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16",
+                                   "float8_e4m3fn"])
+@pytest.mark.parametrize("nk, d_v", [(1, 16), (70, 16), (333, 48),
+                                     (1100, 128)])
+def test_flags_match_numpy(rng, dtype, nk, d_v):
+    # V as int32 words of 1, 2 or 4 values; the flags against numpy's
+    # isfinite of each chunk's rows, with a few NaN and inf (NaN codes in
+    # e4m3, and 0xFF, the negative one) at random places, some of them in
+    # the unrolled part of a thread's rows and some in its tail
+    bh = 1 if nk > 1000 else 2  # the simulator runs every thread
+    x = rng.standard_normal((bh, nk, d_v))
+    for _ in range(4):
+        b, j, c = (int(rng.integers(0, n)) for n in (bh, nk, d_v))
+        x[b, j, c] = rng.choice([np.nan, np.inf, -np.inf])
+    if dtype == "float8_e4m3fn":
+        v = _e4m3(x)
+        v[x == -np.inf] = 0xFF  # -NaN: both NaN codes are found
+    elif dtype == "bfloat16":  # float32's upper half: the same NaN, inf
+        v = (x.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        v = x.astype(dtype)
     shape = device.bad_parts_shape(bh, nk, d_v)
     parts = np.full(shape, 7, np.uint8)  # poison: every entry rewritten
-    kernel = device.find_bad_parts16 if half else device.find_bad_parts32
-    arg = v.view(np.int16) if half else v
-    kernel[shape[1::-1], device.THREADS](arg, parts, 0x7C00 if half else 0)
+    kernel = getattr(device, f"find_bad_parts{device.WIDTHS[dtype]}")
+    kernel[shape[1::-1], device.FIND_THREADS](
+        v.view(np.int32), parts, device.EXPONENT_BITS[dtype])
     rows = math.ceil(nk / shape[1])
     want = np.zeros(shape, np.uint8)
     for c in range(shape[1]):
-        chunk = v[:, c * rows:(c + 1) * rows]
+        chunk = x[:, c * rows:(c + 1) * rows]
         want[:, c] = ~np.isfinite(chunk).all(axis=1)
     assert np.array_equal(parts, want)
     # the column rule of flashlab.nonfinite: any chunk flags the column
     assert np.array_equal(parts.any(axis=1),
-                          ~np.isfinite(v).all(axis=1))
+                          ~np.isfinite(x).all(axis=1))
 
 
 def test_chunks_stay_few():

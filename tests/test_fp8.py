@@ -248,3 +248,51 @@ def test_quantize_non_finite_entries_are_nan(rng):
 def test_bad_input_names_the_argument(call, error, name):
     with pytest.raises(error, match=f"^{name}: "):
         call()
+
+
+def test_attention_fp8_names_what_is_wrong():
+    # checked before any GPU is needed: descales, dtypes, head dims, device
+    import torch
+
+    from flashlab import gpu
+
+    x = torch.zeros(2, 5, 128).to(torch.float8_e4m3fn)
+    cases = [
+        ((x, x, x), dict(descale_q=0.0), ValueError, "descale_q: expected a"),
+        ((x, x, x), dict(descale_v=float("nan")), ValueError,
+         "descale_v: expected a"),
+        ((x, x, x), dict(descale_k=True), ValueError, "descale_k: "),
+        ((x.float(), x, x), {}, TypeError,
+         "q: expected a torch.float8_e4m3fn tensor, got torch.float32"),
+        ((x, np.zeros((2, 5, 128)), x), {}, TypeError, "k: expected a"),
+        ((x, x, x[..., :64]), {}, ValueError,
+         r"v: expected shape \(\.\.\., N, d\) with d in \(128,\)"),
+        ((x[0, 0], x, x), {}, ValueError, "q: expected shape"),
+        ((x, x, x), {}, ValueError, "q: expected a CUDA tensor, got one "
+         "on cpu"),
+    ]
+    for args, opts, error, message in cases:
+        with pytest.raises(error, match="^" + message):
+            gpu.attention_fp8(*args, **opts)
+
+
+def test_gpu_quantize_matches_the_model():
+    # torch's float32 division then cast against the float64 model: the
+    # same descale, codes equal away from ties (a tie may land one code
+    # apart after the float32 rounding of x / descale)
+    import torch
+
+    from flashlab import gpu
+
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
+    x[0, 0], x[1, 1] = np.nan, -np.inf
+    x8, descale = gpu.quantize(torch.tensor(x))
+    codes, want = fp8.quantize(x)
+    assert descale == want
+    got = x8.view(torch.uint8).numpy()
+    assert got[0, 0] == got[1, 1] == fp8.NAN_CODE
+    assert np.abs(got.astype(int) - codes.astype(int)).max() <= 1
+    assert (got == codes).mean() > 0.99
+    with pytest.raises(TypeError, match="^x: expected a floating-point"):
+        gpu.quantize(torch.zeros(3, dtype=torch.int32))

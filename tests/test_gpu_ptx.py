@@ -131,7 +131,7 @@ def test_counters_on_known_text():
 # and assembled by ptxas for sm_90a (v8 with its register cap)
 V7_CASES = tuple((version, *case) for version in (7, 8) for case in (
     ("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 64, 128),
-    ("f16", 64, 64), ("f16", 128, 128)))
+    ("f16", 64, 64), ("f16", 128, 128))) + ((8, "e4m3", 128, 128),)
 V7_SCRIPT = """
 import json, sys
 from flashlab import ptx
@@ -159,6 +159,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         tma=text.count("cp.async.bulk.tensor"),
+        e4m3_packs=text.count("cvt.rn.satfinite.e4m3x2.f32"),
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
         setmaxnreg=text.count("setmaxnreg"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
@@ -189,15 +190,18 @@ def v7_report():
 
 def test_v7_products_are_wgmma_from_registers_and_shared(v7_report):
     # S = Q K^T is d / 16 k-steps of m64n<Bc>k16 and O += P V Bc / 16 of
-    # m64n<d_v>k16, each issued twice in the text (the first tile before
-    # the loop, the last P V after it); no mma.sync left, no float64, no
-    # local memory; the tiles are dynamic shared memory, none static
+    # m64n<d_v>k16 (k32 and / 32 for e4m3), each issued twice in the text
+    # (the first tile before the loop, the last P V after it); no
+    # mma.sync left, no float64, no local memory; the tiles are dynamic
+    # shared memory, none static
+    from flashlab.gpu.wgmma import K_STEP
+
     assert set(v7_report) == {f"v{v} {k} {d} {dv}"
                               for v, k, d, dv in V7_CASES}
     for key, r in v7_report.items():
         d, dv = map(int, key.split()[2:])
-        bc = forward_v7.BLOCK_K[d]
-        assert r["wgmma"] == 2 * (d // 16 + bc // 16), (key, r)
+        bc, ks = forward_v7.BLOCK_K[d], K_STEP[key.split()[1]]
+        assert r["wgmma"] == 2 * (d // ks + bc // ks), (key, r)
         assert r["mma"] == 0 and r["f64"] == 0 and r["local"] == 0, key
         assert r["exp"] > 0 and r["shared"] == 0, (key, r)
         assert r["abi"], f"{key}: launch.Layout and the PTX disagree"
@@ -225,6 +229,18 @@ def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):
         assert not r["sm90"], f"{key}: wgmma assembled for plain sm_90"
 
 
+def test_v8_e4m3_packs_p_in_registers(v7_report):
+    # P rounded to e4m3 four at a time, two cvt a register, twice in the
+    # text (before the loop and in it): KP k-steps x 4 registers x 2
+    from flashlab.gpu import forward_v8
+
+    r = v7_report["v8 e4m3 128 128"]
+    kp = forward_v8.BLOCK_K[128] // 32
+    assert r["e4m3_packs"] == 2 * kp * 4 * 2, r
+    assert all(x["e4m3_packs"] == 0 for key, x in v7_report.items()
+               if "e4m3" not in key)
+
+
 def test_v8_copies_by_tma_and_moves_registers(v7_report):
     # v7 copies with cp.async and meets at a block barrier per tile; v8's
     # producer issues TMA boxes (Q, K, V: d / 64 or d_v / 64 each, more in
@@ -237,7 +253,8 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
             assert r["copies"] > 0 and r["tma"] == 0 and r["bars"] >= 3
             assert r["setmaxnreg"] == 0
         else:
-            assert r["tma"] >= d // 64 + d // 64 + dv // 64, (key, r)
+            box = 128 if "e4m3" in key else 64  # columns of a TMA box
+            assert r["tma"] >= d // box + d // box + dv // box, (key, r)
             assert r["copies"] == 0 and r["bars"] == 1, (key, r)
             assert r["setmaxnreg"] == 2, (key, r)
             assert r["regs"] <= forward_v8.MAX_REGISTERS, (key, r)

@@ -321,3 +321,91 @@ def test_backward_v7_tiles_are_the_operands_its_descriptors_read(part, d,
                 fr.wgmma_operand(streamed, fr.descriptor_128b(
                     s * step, lbo, sbo), width, True),
                 other[16 * s:16 * s + 16])
+
+
+def test_e4m3_tiles_and_packed_p_give_s_and_p_v():
+    # v8's e4m3 form on the model: Q, K and V^T (forward_v8.to_v_t's key
+    # order) as TMA lands them, read through the kernel's descriptors and
+    # k-step offsets as 8-bit k32 operands, and P packed from S's C
+    # fragments by a8_from_c into an 8-bit wgmma's A places: S = Q K^T
+    # and O = P V come out as numpy's, with no byte moved between lanes
+    import torch
+
+    from flashlab.gpu import forward_v8 as v8
+
+    rng = np.random.default_rng(8)
+    d = d_v = 128
+    bc, ks = v8.BLOCK_K[d], 32
+    q = rng.integers(0, 256, (v8.BR, d), dtype=np.uint8)
+    k = rng.integers(0, 256, (bc, d), dtype=np.uint8)
+    v = rng.integers(0, 256, (bc, d_v), dtype=np.uint8)
+    v_t = v8.to_v_t(torch.from_numpy(v)).numpy()  # (d_v, keys)
+    assert v_t.shape == (d_v, bc)
+    tiles = [fr.tma_box(x) for x in (q, k, v_t)]
+    lbo, sbo, _, _ = fr.k_major_128b(v8.BR)
+    for wg in range(v8.GROUPS):
+        acc = np.zeros((WG, bc // 2))
+        for s, at in enumerate(v8.k_steps_128b(v8.BR, d // ks)):
+            a = fr.wgmma_operand8(
+                tiles[0], fr.descriptor_128b(wg * 64 * 128 + at, lbo, sbo),
+                64)
+            b = fr.wgmma_operand8(tiles[1], fr.descriptor_128b(
+                v8.k_steps_128b(bc, d // ks)[s], lbo, sbo), bc)
+            acc = fr.wgmma(a.astype(float), b.T.astype(float), acc)
+        want = q[64 * wg:64 * wg + 64].astype(float) @ k.T.astype(float)
+        assert np.array_equal(acc, fr.gather(want, fr.wgmma_c_places(bc)))
+    p = rng.standard_normal((64, bc))  # a warpgroup's P, as S's fragments
+    sf = fr.gather(p, fr.wgmma_c_places(bc)).reshape(WG, bc // 8, 4)
+    acc = np.zeros((WG, d_v // 2))
+    for kp, at in enumerate(v8.k_steps_128b(d_v, bc // ks)):
+        a = np.empty((WG, 4, 4))
+        for r in range(4):
+            for y in range(4):
+                n, e = fr.a8_from_c(r, y)
+                a[:, r, y] = sf[:, 4 * kp + n, e]
+        b = fr.wgmma_operand8(tiles[2], fr.descriptor_128b(at, lbo, sbo),
+                              d_v)
+        acc = fr.wgmma(fr.scatter(a, fr.wgmma_a8_places(), (64, ks)),
+                       b.T.astype(float), acc)
+    want = fr.gather(p @ v.astype(float), fr.wgmma_c_places(d_v))
+    assert np.allclose(acc, want, rtol=1e-12, atol=1e-9)
+    # V in its own key order instead: the check above can fail
+    plain = fr.tma_box(np.ascontiguousarray(v.T))
+    b = fr.wgmma_operand8(plain, fr.descriptor_128b(0, lbo, sbo), d_v)
+    assert not np.array_equal(b, fr.wgmma_operand8(
+        tiles[2], fr.descriptor_128b(0, lbo, sbo), d_v))
+
+
+def test_e4m3_key_order_is_a_permutation_within_32():
+    order = fr.key_order_8bit()
+    assert sorted(order) == list(range(32))
+    # lane t's bytes are 4 consecutive A columns: keys 2t, 2t + 1 of two
+    # n-tiles, the pairs its C fragments hold
+    places = fr.wgmma_a8_places()
+    for lane in range(4):
+        cols = places[lane, 0, :, 1]
+        assert list(order[cols]) == [2 * lane, 2 * lane + 1,
+                                     8 + 2 * lane, 9 + 2 * lane]
+
+
+@pytest.mark.parametrize("nk, d_v", [(70, 128), (64, 128), (5, 64)])
+def test_transpose_keys8_is_to_v_t(nk, d_v):
+    # the kernel the host runs (here on numba's simulator) against its
+    # torch model: V^T in key_of_column8's order, zeros past Nk
+    import torch
+
+    from flashlab.gpu import forward_v8 as v8
+
+    rng = np.random.default_rng(nk + d_v)
+    v = rng.integers(0, 256, (3, nk, d_v), dtype=np.uint8)
+    keys = -(-nk // 32) * 32
+    v_t = np.full((3, d_v, keys), 0xAA, np.uint8)  # poisoned
+    v8.transpose_keys8[(keys // 32, 3), v8.transpose_threads(d_v)](
+        v.view(np.uint32), v_t.view(np.uint32))
+    want = v8.to_v_t(torch.from_numpy(v)).numpy()
+    np.testing.assert_array_equal(v_t, want)
+    column = np.arange(keys)
+    key = 32 * (column // 32) + fr.key_of_column8(column % 32)
+    assert not v_t[:, :, key >= nk].any()  # past Nk: zeros
+    np.testing.assert_array_equal(v_t[:, :, key < nk],
+                                  v.transpose(0, 2, 1)[:, :, key[key < nk]])

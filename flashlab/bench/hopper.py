@@ -3,8 +3,9 @@
 `main` measures the bf16 forward of v5, v7 and v8 against torch's flash
 and cuDNN kernels (tensor.suite's forward cases, hopper.csv), the bf16
 backward of backward_v5 and v7 against theirs (hopper_backward.csv), the
-forwards' error
-against float64 SDPA on the same inputs (hopper.json), and the ladder
+e4m3 forward against v8 and theirs on bf16 (hopper_fp8.csv), the
+forwards' error against float64 SDPA on the same inputs, e4m3's too
+(hopper.json), and the ladder
 (hopper_ladder.json): v7 built three ways, then v8, each in a fresh
 process with a kernel cache of its own, since the switches are read when
 a kernel is built.
@@ -100,6 +101,84 @@ def _saved_backward(version):
     return make
 
 
+FP8 = ("flashlab v8 e4m3", "flashlab v8 bf16", "torch flash bf16",
+       "torch cudnn bf16")
+
+
+def fp8_rows(sizes=(4096, 16384), b=2, h=8, d=128):
+    """The e4m3 forward (gpu.attention_fp8, inputs quantized before the
+    clock starts) against v8 and torch's flash and cuDNN on the bf16
+    inputs, per (N, causal); ratios over torch flash."""
+    cases = tuple(runner.Case("forward", b, h, n, d, c, FP8,
+                              "torch flash bf16", 5 if n > 8192 else 20,
+                              dtype="bfloat16")
+                  for n in sizes for c in (False, True))
+    impls = {("forward", "flashlab v8 e4m3"): tensor._hopper(_fp8),
+             ("forward", "flashlab v8 bf16"):
+             tensor._hopper(tensor._flashlab(version=8)),
+             ("forward", "torch flash bf16"):
+             tensor._sdpa("FLASH_ATTENTION"),
+             ("forward", "torch cudnn bf16"):
+             tensor._sdpa("CUDNN_ATTENTION")}
+    suite = runner.Suite("hopper fp8", cases, tensor._inputs, impls,
+                         timing.events, columns=report.FIELDS,
+                         shown=report.SHOWN, csv=None,
+                         optional=("torch cudnn bf16", "flashlab v8 e4m3",
+                                   "flashlab v8 bf16"))
+    return runner.run(suite)
+
+
+def _fp8(case, x):
+    """attention_fp8 on x's q, k, v quantized per tensor (untimed)."""
+    from flashlab import gpu
+
+    (q, dq), (k, dk), (v, dv) = (gpu.quantize(t) for t in x[:3])
+    return lambda: gpu.attention_fp8(q, k, v, descale_q=dq, descale_k=dk,
+                                     descale_v=dv, causal=case.causal)
+
+
+def fp8_accuracy(n=4096, seed=11, spreads=(1.0, 4.0)):
+    """{"e4m3 spread 1 full": {"max", "rms"}, ...}: the e4m3 forward's
+    and v8 bf16's error against float64 attention of the same float32
+    inputs (B1 H4 d128; q and k times `spread`: sharper rows), and e4m3's
+    against float64 attention of its own dequantized inputs (what the
+    rounding of P and O alone costs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashlab import gpu
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for spread in spreads:
+        for causal in (False, True):
+            q, k, v = (torch.randn(1, 4, n, 128, device="cuda",
+                                   generator=gen) for _ in range(3))
+            q, k = q * spread, k * spread
+            (q8, dq), (k8, dk), (v8, dv) = (gpu.quantize(t)
+                                            for t in (q, k, v))
+            got = {"e4m3": gpu.attention_fp8(
+                q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv,
+                causal=causal),
+                "bf16": gpu.attention(q.bfloat16(), k.bfloat16(),
+                                      v.bfloat16(), causal=causal,
+                                      version=8)}
+            want = F.scaled_dot_product_attention(
+                q.double(), k.double(), v.double(), is_causal=causal)
+            own = F.scaled_dot_product_attention(
+                q8.double() * dq, k8.double() * dk, v8.double() * dv,
+                is_causal=causal)
+            label = f"spread {spread:g} {'causal' if causal else 'full'}"
+            for name, o, ref in (("e4m3", got["e4m3"], want),
+                                 ("bf16", got["bf16"], want),
+                                 ("e4m3 own inputs", got["e4m3"], own)):
+                err = o.double() - ref
+                out[f"{name} {label}"] = {
+                    "max": err.abs().max().item(),
+                    "rms": err.square().mean().sqrt().item()}
+    return out
+
+
 def accuracy(n=2048, seed=7):
     """{"v5 d64 full": max |o - float64 SDPA|, ...} on the same bf16
     inputs (B1 H4) for v5, v7, v8 and torch's flash kernel."""
@@ -159,7 +238,11 @@ def main(out):
     backward = backward_rows()
     report.write_csv(backward, os.path.join(out, "hopper_backward.csv"))
     print(report.table(backward))
-    record = {"machine": report.machine(), "accuracy": accuracy()}
+    fp8 = fp8_rows()
+    report.write_csv(fp8, os.path.join(out, "hopper_fp8.csv"))
+    print(report.table(fp8))
+    record = {"machine": report.machine(), "accuracy": accuracy(),
+              "fp8_accuracy": fp8_accuracy()}
     with open(os.path.join(out, "hopper.json"), "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps(record["accuracy"], indent=1))

@@ -26,7 +26,9 @@ package, in the order chapters 9 and 10 read it:
 - `adapters`: one per kind of array taken (torch, numpy, numba);
 - `host`: the entry points `attention`, `attention_backward` and
   `combine`, with the keywords of `tiled.attention`, which this module
-  re-exports.
+  re-exports;
+- `fp8`: `attention_fp8` on e4m3 inputs with per-tensor scales (v8's
+  8-bit form) and `quantize`, which makes them.
 """
 
 # the modules, as flashlab.gpu.forward_v1 etc. (chapters show them)
@@ -56,6 +58,7 @@ from flashlab.gpu.build import (  # noqa: F401
     kernel_names,
     supports,
 )
+from flashlab.gpu.fp8 import attention_fp8, quantize
 
 # the host entry points and their tables (private names: tests and plans)
 from flashlab.gpu.host import (  # noqa: F401
@@ -81,7 +84,8 @@ from flashlab.gpu.host import (  # noqa: F401
     tile_shape,
 )
 
-__all__ = ["attention", "attention_backward", "compile_ptx", "kernel_names",
+__all__ = ["attention", "attention_backward", "attention_fp8", "quantize",
+           "compile_ptx", "kernel_names",
            "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS",
            "FLOAT32_VERSIONS", "HALF_VERSIONS", "TENSOR_CORE_VERSIONS",
            "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine"]

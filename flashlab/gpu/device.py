@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import config, cuda, float32, uint64
+from numba import config, cuda, float32, int32, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
 
@@ -387,6 +387,13 @@ def finish_rows(o, lse, bad, empty):
 PART_ROWS = 64  # fewest rows of V per block of find_bad_parts
 MAX_PARTS = 16  # chunks of V's rows: what an epilogue ORs per column
 PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
+FIND_THREADS = 512  # per block of find_bad_parts: loads enough in flight
+# the bits of a value's exponent, all set in NaN and +-inf: float32's,
+# bf16's, float16's, and e4m3's (which has no inf; 0x7F, 0xFF are NaN)
+EXPONENT_BITS = {"float32": 0x7F800000, "bfloat16": 0x7F80,
+                 "float16": 0x7C00, "float8_e4m3fn": 0x7F}
+WIDTHS = {"float32": 32, "bfloat16": 16, "float16": 16,
+          "float8_e4m3fn": 8}  # bits of a value
 
 
 def bad_parts_shape(bh_kv, nk, d_v):
@@ -396,51 +403,69 @@ def bad_parts_shape(bh_kv, nk, d_v):
     return bh_kv, chunks, d_v
 
 
-@cuda.jit(device=True)
-def _not_finite(value, exponent):
-    return not math.isfinite(value)
+def _find_bad_parts(width):
+    """find_bad_parts for values of `width` bits (32, 16 or 8)."""
+    per = 32 // width  # values in a 32-bit word
 
-
-@cuda.jit(device=True)
-def _not_finite_bits(value, exponent):
-    return (value & exponent) == exponent
-
-
-def _find_bad_parts(half):
-    """find_bad_parts for 16-bit bits (half) or float32 values of V."""
-    not_finite = _not_finite_bits if half else _not_finite
+    @inline
+    def bad_values(x, exponent):
+        """Bit y: value y of word x has every exponent bit set (the mask
+        lies within a value's bits, so the shift's sign bits drop out)."""
+        bits = int32(0)
+        for y in range(per):
+            if ((x >> (width * y)) & exponent) == exponent:
+                bits |= int32(1 << y)
+        return bits
 
     @cuda.jit
     def find_bad_parts(v, parts, exponent):
         """parts[b, c, x]: V[b, j, x] is NaN or inf for a row j of chunk c.
 
-        flashlab.nonfinite's column rule in one launch: block (c, b) reads
-        chunk c of V[b]'s rows once, coalesced, and writes every flag of
-        its chunk, set or not, so no memset runs first. 16-bit values are
-        int16 bits, not finite when every `exponent` bit is set (0x7F80
-        bf16, 0x7C00 float16); float32 values pass exponent 0, unused.
+        flashlab.nonfinite's column rule in one launch: V comes as int32
+        words (BH_kv, Nk, d_v width / 32), values not finite when every
+        `exponent` bit is set (EXPONENT_BITS). Block (c, b) reads chunk c
+        of V[b]'s rows once: thread t keeps word column t % words, a
+        row of words per `words` threads, four loads in flight, and ORs
+        what it saw into its column's shared word at the end; the block
+        then writes every flag of its chunk, set or not, so no memset
+        runs first.
         """
-        flags = cuda.shared.array(PART_COLUMNS, np.uint8)
+        seen = cuda.shared.array(PART_COLUMNS, int32)  # bit y of word w
         b, c, t = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
-        nk, d_v = v.shape[1], v.shape[2]
+        nk, words = v.shape[1], v.shape[2]
         rows = (nk + parts.shape[1] - 1) // parts.shape[1]
         r0 = c * rows
         r1 = min(nk, r0 + rows)
-        for x in range(t, d_v, cuda.blockDim.x):
-            flags[x] = 0
-        cuda.syncthreads()  # every flag cleared before a thread sets one
-        for e in range(t, max(r1 - r0, 0) * d_v, cuda.blockDim.x):
-            if not_finite(v[b, r0 + e // d_v, e % d_v], exponent):
-                flags[e % d_v] = 1
-        cuda.syncthreads()  # the chunk's flags complete before the store
-        for x in range(t, d_v, cuda.blockDim.x):
-            parts[b, c, x] = flags[x]
+        for w in range(t, words, cuda.blockDim.x):
+            seen[w] = 0
+        cuda.syncthreads()  # every word cleared before a thread ORs one
+        step = cuda.blockDim.x // words  # rows a pass of the block reads
+        if t < step * words:
+            w = t % words
+            bits = int32(0)
+            r = r0 + t // words
+            while r + 3 * step < r1:  # independent loads, then the tests
+                x0, x1 = v[b, r, w], v[b, r + step, w]
+                x2, x3 = v[b, r + 2 * step, w], v[b, r + 3 * step, w]
+                bits |= (bad_values(x0, exponent) | bad_values(x1, exponent)
+                         | bad_values(x2, exponent)
+                         | bad_values(x3, exponent))
+                r += 4 * step
+            while r < r1:
+                bits |= bad_values(v[b, r, w], exponent)
+                r += step
+            if bits:
+                cuda.atomic.or_(seen, w, bits)
+        cuda.syncthreads()  # the chunk's words complete before the store
+        for x in range(t, words * per, cuda.blockDim.x):
+            parts[b, c, x] = (seen[x // per] >> (x % per)) & 1
 
     return find_bad_parts
 
 
-find_bad_parts16 = _find_bad_parts(True)
-find_bad_parts32 = _find_bad_parts(False)
+find_bad_parts32 = _find_bad_parts(32)
+find_bad_parts16 = _find_bad_parts(16)
+find_bad_parts8 = _find_bad_parts(8)
 
 
 @inline

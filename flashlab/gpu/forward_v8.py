@@ -26,7 +26,7 @@ from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
 from flashlab.gpu import tma
-from flashlab.gpu.device import F0, NEG_INF
+from flashlab.gpu.device import F0, NEG_INF, inline
 from flashlab.gpu.forward_v7 import (
     ALIGN,
     BLOCK_K,
@@ -39,6 +39,7 @@ from flashlab.gpu.forward_v7 import (
 from flashlab.gpu.intrinsics import (
     global_address,
     pack_bf16x2,
+    pack_e4m3x4,
     pack_f16x2,
     shared_address,
 )
@@ -48,9 +49,9 @@ from flashlab.gpu.warp import (
     tile_range,
     tile_softmax,
 )
-from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
+from flashlab.gpu.wgmma import K_STEP, mma_rs, mma_ss, wait_for
 
-__all__ = ["CC", "HEAD_DIMS", "make", "shape", "shared_bytes"]
+__all__ = ["CC", "HEAD_DIMS", "make", "make_e4m3", "shape", "shared_bytes"]
 
 GROUPS = 2  # consumer warpgroups per block
 CONSUMERS = 128 * GROUPS  # consumer threads
@@ -62,9 +63,13 @@ CONSUMER_REGISTERS = 240  # and gives each consumer thread
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
 # mbarrier numbers: Q full, K full (2 stages), V full, K empty, V empty
 Q_FULL, K_FULL, V_FULL, K_EMPTY, V_EMPTY = 0, 1, 3, 5, 7
-PANEL = 64  # columns of one TMA box: 128 bytes, the swizzle's width
+SWIZZLE_BYTES = 128  # a TMA box's row: the 128-byte swizzle's width
+PANEL = SWIZZLE_BYTES // 2  # its columns of 16-bit values
+BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
+E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
 
 release = tma.release_registers[PRODUCER_REGISTERS]
+a8_place = cuda.jit(device=True)(fragments.a8_from_c)
 take = tma.take_registers[CONSUMER_REGISTERS]
 
 
@@ -73,35 +78,69 @@ def shape(d, d_v):
     return BR, BLOCK_K[d], THREADS
 
 
-def shared_bytes(d, d_v):
+def shared_bytes(d, d_v, size=2):
     """Dynamic shared memory per block: the barriers, Q_i and two stages
-    of K_j, V_j, and room to align them to 1024 bytes."""
+    of K_j, V_j (values of `size` bytes), and room to align them to 1024
+    bytes."""
     bc = BLOCK_K[d]
-    return BARRIERS + 2 * (BR * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
+    return BARRIERS + size * (BR * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
+
+
+def make_a8(kp_steps):
+    """to_a8(pf, sf): P_ij (float32 C fragments sf) rounded to e4m3, the
+    A fragments pf of P V's kp_steps k-steps of 32 keys, packed without
+    moving a value between lanes (fragments.a8_from_c: V^T's keys are
+    stored in the matching order)."""
+
+    @inline
+    def to_a8(pf, sf):
+        for kp in range(kp_steps):
+            for r in range(4):
+                n0, e0 = a8_place(r, 0)  # byte y: (n-tile, element)
+                n1, e1 = a8_place(r, 1)
+                n2, e2 = a8_place(r, 2)
+                n3, e3 = a8_place(r, 3)
+                pf[kp, r] = pack_e4m3x4(
+                    sf[4 * kp + n0, e0], sf[4 * kp + n1, e1],
+                    sf[4 * kp + n2, e2], sf[4 * kp + n3, e3])
+
+    return to_a8
 
 
 def make(D, D_V, kind="bf16"):
-    """The v8 kernel for head dims D, D_V and 16-bit `kind` (bf16, f16)."""
-    pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}[kind]
+    """The v8 kernel for head dims D, D_V and `kind` of input (bf16, f16,
+    or e4m3: see make_e4m3)."""
+    size, eight = BYTES[kind], kind == "e4m3"
+    pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}.get(kind, pack_bf16x2)
     BC = BLOCK_K[D]
-    KD, KP = D // 16, BC // 16  # k-steps of S = Q K^T and of O += P V
+    KD, KP = D // K_STEP[kind], BC // K_STEP[kind]  # k-steps of S, P V
     NS, NO = BC // 8, D_V // 8  # 8-column groups of S and of O
-    Q_S, K_S, V_S = BR * D, BC * D, BC * D_V  # SRAM tiles (16-bit values)
-    store_rows = make_store_rows16(pack, NO)  # the epilogue
-    to_a = make_to_a(pack, KP)
+    Q_B, K_B, V_B = (size * BR * D, size * BC * D,
+                     size * BC * D_V)  # SRAM tiles, bytes
+    box = SWIZZLE_BYTES // size  # columns of a TMA box
+    store_rows = make_store_rows16(pack, NO)  # the epilogue: 16-bit O
     lbo_k, sbo_k, _, _ = fragments.k_major_128b(BR)
-    lbo_v, sbo_v, step_v = fragments.mn_major_128b(BC)
     s_issue = mma_ss(BC, KD, k_steps_128b(BR, KD), k_steps_128b(BC, KD),
                      kind, wait=False)
-    o_issue = mma_rs(D_V, KP, step_v, kind, wait=False)
+    if eight:  # V^T (d_v x keys), read K-major as K is
+        to_a = make_a8(KP)
+        lbo_v, sbo_v, _, _ = fragments.k_major_128b(D_V)
+        o_issue = mma_rs(D_V, KP, k_steps_128b(D_V, KP), kind, trans_b=0,
+                         wait=False)
+        # a V^T box: `box` keys (x) of all d_v rows; boxes along the keys
+        v_panels, v_rows, keys_x = BC // box, D_V, 1
+    else:  # V (keys x d_v), read MN-major
+        to_a = make_to_a(pack, KP)
+        lbo_v, sbo_v, step_v = fragments.mn_major_128b(BC)
+        o_issue = mma_rs(D_V, KP, step_v, kind, wait=False)
+        # a V box: `box` columns (x) of Bc keys (y); boxes along x
+        v_panels, v_rows, keys_x = D_V // box, BC, 0
     s_wait_one = wait_for(1, NS * 4)  # S in; O += P V may still fly
     s_wait = wait_for(0, NS * 4)
     o_wait = wait_for(0, NO * 4, KP * 4)  # O, and P (its A operand)
 
-    @cuda.jit
-    def forward_v8(q, k, v, o, lse, bad, rules, kv_len, mask, maps):
-        # q, k, v: (BH, N, d) 16-bit bits; o: (BH, Nq, d_v / 2) pairs;
-        # maps: the tensor maps of q, k, v, 16 words each
+    @inline
+    def run(q, k, v, o, lse, bad, rules, kv_len, mask, maps, out_scale):
         tiles = cuda.shared.array(0, int16)
         sf = cuda.local.array((NS, 4), float32)  # S_ij, then P_ij
         pf = cuda.local.array((KP, 4), int32)  # P_ij: A of each k-step
@@ -123,8 +162,8 @@ def make(D, D_V, kind="bf16"):
         at = shared_address(tiles, 0)
         bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         q_at = bars + uint32(BARRIERS)
-        k_at = q_at + uint32(2 * Q_S)  # stage s at + 2 K_S s bytes
-        v_at = k_at + uint32(4 * K_S)
+        k_at = q_at + uint32(Q_B)  # stage s at + K_B s bytes
+        v_at = k_at + uint32(2 * K_B)
         if t == 0:
             for x in range(9):  # full: the producer's one arrival (and
                 # the bytes); empty: every consumer thread's
@@ -137,10 +176,10 @@ def make(D, D_V, kind="bf16"):
             if t == 0 and first <= last:
                 maps_at = global_address(maps, 0)
                 tma.arrive_expect_tx(bars + uint32(8 * Q_FULL),
-                                     uint32(2 * Q_S))
-                for p in range(D // PANEL):
+                                     uint32(Q_B))
+                for p in range(D // box):
                     tma.load_3d(q_at + uint32(p * BR * 128), maps_at,
-                                int32(p * PANEL), int32(i0), int32(b),
+                                int32(p * box), int32(i0), int32(b),
                                 bars + uint32(8 * Q_FULL))
                 for jt in range(first, last + 1):
                     n = jt - first
@@ -150,19 +189,22 @@ def make(D, D_V, kind="bf16"):
                     tma.wait(bars + uint32(8 * (K_EMPTY + s)),
                              uint32(1 - phase))
                     full = bars + uint32(8 * (K_FULL + s))
-                    tma.arrive_expect_tx(full, uint32(2 * K_S))
-                    for p in range(D // PANEL):
-                        tma.load_3d(k_at + uint32(2 * K_S * s + p * BC * 128),
-                                    maps_at + uint64(128), int32(p * PANEL),
+                    tma.arrive_expect_tx(full, uint32(K_B))
+                    for p in range(D // box):
+                        tma.load_3d(k_at + uint32(K_B * s + p * BC * 128),
+                                    maps_at + uint64(128), int32(p * box),
                                     int32(jt * BC), int32(bk), full)
                     tma.wait(bars + uint32(8 * (V_EMPTY + s)),
                              uint32(1 - phase))
                     full = bars + uint32(8 * (V_FULL + s))
-                    tma.arrive_expect_tx(full, uint32(2 * V_S))
-                    for p in range(D_V // PANEL):
-                        tma.load_3d(v_at + uint32(2 * V_S * s + p * BC * 128),
-                                    maps_at + uint64(256), int32(p * PANEL),
-                                    int32(jt * BC), int32(bk), full)
+                    tma.arrive_expect_tx(full, uint32(V_B))
+                    for p in range(v_panels):
+                        tma.load_3d(
+                            v_at + uint32(V_B * s + p * v_rows * 128),
+                            maps_at + uint64(256),
+                            int32(p * box + jt * BC * keys_x),
+                            int32(jt * BC * (1 - keys_x)), int32(bk),
+                            full)
             return
         take()
         row = i0 + 16 * (w - 4) + lane // 4  # this lane's first row (g)
@@ -170,8 +212,8 @@ def make(D, D_V, kind="bf16"):
             q_at + uint32(64 * 128 * ((w - 4) // 4)), lbo_k, sbo_k))
         k_desc = uint64(descriptor_128b(k_at, lbo_k, sbo_k))
         v_desc = uint64(descriptor_128b(v_at, lbo_v, sbo_v))
-        k_next = uint64(2 * K_S >> 4)  # descriptor step to the other stage
-        v_next = uint64(2 * V_S >> 4)
+        k_next = uint64(K_B >> 4)  # descriptor step to the other stage
+        v_next = uint64(V_B >> 4)
         for h in range(2):
             m[h] = NEG_INF
             l[h] = F0
@@ -211,39 +253,71 @@ def make(D, D_V, kind="bf16"):
                      uint32((n // 2) % 2))
             o_issue(of, pf, v_desc + v_next * uint64(n % 2))
             o_wait(of, pf)
+        if eight:  # V's per-tensor scale, on the sum it weighted
+            for n in range(NO):
+                for x in range(4):
+                    of[n, x] *= out_scale
         store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
+
+    if eight:
+        @cuda.jit
+        def forward_v8_e4m3(q, k, v, o, lse, bad, rules, kv_len, mask,
+                            descale_v, maps):
+            # q, k: (BH, N, d) e4m3 bytes; v: V^T (BH_kv, d_v, Nk') in
+            # to_v_t's key order; o: (BH, Nq, d_v / 2) bf16 pairs
+            run(q, k, v, o, lse, bad, rules, kv_len, mask, maps, descale_v)
+
+        return forward_v8_e4m3
+
+    @cuda.jit
+    def forward_v8(q, k, v, o, lse, bad, rules, kv_len, mask, maps):
+        # q, k, v: (BH, N, d) 16-bit bits; o: (BH, Nq, d_v / 2) pairs;
+        # maps: the tensor maps of q, k, v, 16 words each
+        run(q, k, v, o, lse, bad, rules, kv_len, mask, maps, F0)
 
     return forward_v8
 
 
+def make_e4m3(D, D_V):
+    """The v8 kernel for e4m3 inputs (float8_e4m3fn bytes): S = Q K^T and
+    O += P V on 8-bit wgmma (k32), P rounded to e4m3, V given transposed
+    (V^T, d_v x keys, see to_v_t: an 8-bit B operand is read K-major
+    only), O stored bf16 times descale_v. Q and K's descales are the
+    caller's, folded into tau."""
+    return make(D, D_V, "e4m3")
+
+
 def compile_ptx(d, d_v, kind="bf16"):
-    """PTX of v8 for sm_90a; needs no GPU."""
+    """PTX of v8 on `kind` inputs for sm_90a; needs no GPU."""
     from numba import cuda
 
     from flashlab.gpu import build, registry
 
+    spec = registry.get(f"forward_v8_{kind}")
     with build.compiling_without_gpu(CC[:2]):
-        ptx, _ = cuda.compile_ptx(make(d, d_v, kind).py_func,
-                                  registry.argument_types("forward16_tma"),
-                                  cc=CC)
+        ptx, _ = cuda.compile_ptx(spec.make(d, d_v).py_func,
+                                  registry.argument_types(spec.args), cc=CC)
     return ptx
 
 
 # the host's side: tensor maps --------------------------------------------
 
-def encode(address, rows, heads, cols, box_rows):
+def encode(address, rows, heads, cols, box_rows, size=2):
     """The 128-byte TMA tensor map (16 uint64 words) of a (heads, rows,
-    cols) array of 16-bit values at `address`: boxes of 64 columns x
-    box_rows rows of one head, 128-byte swizzled, rows past the end read
-    as zeros."""
+    cols) array of `size`-byte values at `address`: boxes of 128 bytes of
+    columns x box_rows rows of one head, 128-byte swizzled, rows and
+    columns past the end read as zeros."""
     from cuda.bindings import driver
 
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    kinds = driver.CUtensorMapDataType
     err, tmap = driver.cuTensorMapEncodeTiled(
-        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+        {2: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+         1: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8}[size],
         u32(3), address, [u64(cols), u64(rows), u64(heads)],
-        [u64(cols * 2), u64(rows * cols * 2)],
-        [u32(PANEL), u32(box_rows), u32(1)], [u32(1), u32(1), u32(1)],
+        [u64(cols * size), u64(rows * cols * size)],
+        [u32(SWIZZLE_BYTES // size), u32(box_rows), u32(1)],
+        [u32(1), u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
@@ -262,6 +336,15 @@ def tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v):
     return np.concatenate([encode(q_at, nq, bh, d, BR),
                            encode(k_at, nk, bh_kv, d, bc),
                            encode(v_at, nk, bh_kv, d_v, bc)])
+
+
+def tensor_maps_e4m3(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v, keys):
+    """tensor_maps of e4m3 q, k and V^T (bh_kv, d_v, keys) at v_at: boxes
+    of 128 bytes of Q_i's and K_j's rows, and of V^T's key columns."""
+    bc = BLOCK_K[d]
+    return np.concatenate([encode(q_at, nq, bh, d, BR, 1),
+                           encode(k_at, nk, bh_kv, d, bc, 1),
+                           encode(v_at, d_v, bh_kv, keys, d_v, 1)])
 
 
 class _Slots:
@@ -312,31 +395,98 @@ _SLOTS = []  # the one _Slots, made at the first launch
 _FIELDS = struct.Struct("<Q3q")  # an array's data pointer and three dims
 
 
-def _maps_for(packed, stream):
+def _maps_for(packed, stream, eight=False):
     """The device address of the tensor maps of the q, k, v packed in
-    `packed` (arguments 0, 1, 2)."""
+    `packed` (arguments 0, 1, 2; v as V^T where `eight`)."""
     from flashlab.gpu.launch import DATA_FIELD
 
     offset = packed.kernel.layout.offset
-    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v) = (
+    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, n1, n2) = (
         _FIELDS.unpack_from(packed.buffer, offset(arg, DATA_FIELD))
         for arg in range(3))
     if not _SLOTS:
         _SLOTS.append(_Slots())
+    if eight:  # V^T: (bh_kv, d_v, keys)
+        return _SLOTS[0].address(
+            (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n1, n2, 1),
+            lambda: tensor_maps_e4m3(q_at, k_at, v_at, bh, nq, bh_kv, nk,
+                                     d, n1, n2), stream)
     return _SLOTS[0].address(
-        (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v),
-        lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v),
+        (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n2),
+        lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n2),
         stream)
 
 
-def derived(d, d_v):
-    """launch.Derived of v8's last argument, the tensor maps."""
+def derived(d, d_v, eight=False):
+    """launch.Derived of v8's last argument, the tensor maps (argument 9,
+    or 10 after e4m3's descale_v)."""
     from flashlab.gpu.launch import Derived
 
     def placeholders():
         return (cuda.device_array(48, np.uint64),)
 
     def update(packed, stream):
-        packed.point(9, _maps_for(packed, stream))
+        packed.point(10 if eight else 9, _maps_for(packed, stream, eight))
 
     return Derived(placeholders, update)
+
+
+def derived_e4m3(d, d_v):
+    """launch.Derived of the e4m3 kernel's tensor maps."""
+    return derived(d, d_v, eight=True)
+
+
+key_of_column8 = cuda.jit(device=True)(fragments.key_of_column8)
+KEYS8 = 32  # keys of one e4m3 k-step: V^T's key order repeats every 32
+
+
+@cuda.jit
+def transpose_keys8(v, v_t):
+    """V^T of e4m3 bytes, as to_v_t lays it out: v (BH_kv, Nk, d_v / 4)
+    and v_t (BH_kv, d_v, Nk' / 4) as uint32 words of 4 bytes, blocks (Nk'
+    / 32, BH_kv) of 2 d_v threads (transpose_threads).
+
+    Four consecutive columns of V^T's key order hold two pairs of
+    neighbouring keys (key_of_column8), so a thread loads word c (columns
+    4 c .. 4 c + 3) of those four keys' rows and stores byte i of each as
+    word 4 c + i of V^T: one pass, no shared memory, and the eight
+    threads of one c write a row's 32 bytes together. Keys past Nk read
+    as zeros."""
+    b, g, t = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
+    nk, words = v.shape[1], v.shape[2]
+    c, w = t // 8, t % 8  # V's word column; V^T's word within the 32
+    if c < words:
+        x = cuda.local.array(4, uint32)
+        for y in range(4):
+            key = KEYS8 * g + key_of_column8(4 * w + y)
+            x[y] = v[b, key, c] if key < nk else uint32(0)
+        for i in range(4):
+            out = uint32(0)
+            for y in range(4):
+                out |= ((x[y] >> uint32(8 * i)) & uint32(255)) << uint32(
+                    8 * y)
+            v_t[b, 4 * c + i, (KEYS8 // 4) * g + w] = out
+
+
+def transpose_threads(d_v):
+    """Threads per block of transpose_keys8: 8 per word of a V row."""
+    return 8 * (d_v // 4)
+
+
+def to_v_t(v):
+    """V (..., Nk, d_v) e4m3 torch tensor (or its uint8 codes) -> V^T
+    (..., d_v, Nk') uint8,
+    Nk' = Nk rounded up to 32 (zeros past Nk), keys of each 32 in the
+    order of fragments.key_order_8bit: the B operand of P V that an 8-bit
+    wgmma reads K-major, one copy that makes packing P free. The torch
+    model of transpose_keys8, which the host runs."""
+    import torch
+
+    *lead, nk, d_v = v.shape
+    keys = -(-nk // 32) * 32
+    x = v.reshape(-1, nk, d_v).view(torch.uint8)
+    if keys != nk:
+        x = torch.nn.functional.pad(x, (0, 0, 0, keys - nk))
+    # key 16 h + 8 a + 2 t + c goes to column 16 h + 4 t + 2 a + c
+    x = x.view(-1, keys // 32, 2, 2, 4, 2, d_v).permute(0, 6, 1, 2, 4, 3, 5)
+    return x.reshape(*lead, d_v, keys)

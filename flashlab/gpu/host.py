@@ -527,6 +527,21 @@ def _check_device_inputs(named, dtypes=("float32", *HALF_BITS)):
     return d, d_v, dtype
 
 
+def find_bad_name(dtype):
+    """The find_bad_parts kernel for V of `dtype`."""
+    return f"find_bad_parts{device.WIDTHS[dtype]}"
+
+
+def words(x):
+    """Device array or tensor x seen as int32 words (its last dim's bytes
+    a multiple of 4), as find_bad_parts reads V."""
+    if is_torch(x):
+        import torch
+
+        return x.view(torch.int32)
+    return x.view(np.int32)
+
+
 class _Call:
     """One call's arrays of one kind (numpy, numba device, torch)."""
 
@@ -575,10 +590,9 @@ class _Call:
         read for the rule of flashlab.nonfinite."""
         shape = device.bad_parts_shape(self.bh_kv, *v_k.shape[1:])
         parts, parts_k = self.empty(shape, "uint8")
-        half = dtype in HALF_BITS
-        kernel("find_bad_parts16" if half else "find_bad_parts32", 0, 0)[
-            shape[1::-1], device.THREADS, self.stream](
-            v_k, parts_k, HALF_BITS[dtype][0] if half else 0)
+        kernel(find_bad_name(dtype), 0, 0)[
+            shape[1::-1], device.FIND_THREADS, self.stream](
+            words(v_k), parts_k, device.EXPONENT_BITS[dtype])
         return parts_k
 
     def per_query_head(self, bad):
@@ -713,9 +727,8 @@ class _ForwardPlan:
         self.rules, self.constants = call.args[0], call.args[1:]
         o, lse, bad = self._outputs(q)
         v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
-        self.find = kernel(
-            "find_bad_parts16" if self.half else "find_bad_parts32", 0, 0
-        ).pack(v3, bad, HALF_BITS[dtype][0] if self.half else 0)
+        self.find = kernel(find_bad_name(dtype), 0, 0).pack(
+            words(v3), bad, device.EXPONENT_BITS[dtype])
         o3 = o.view(call.bh, call.nq, d_v)
         if self.half:
             o3 = o3.view(torch.int32)  # 16-bit pairs
@@ -751,7 +764,7 @@ class _ForwardPlan:
         stream = torch_stream(q)
         self.find.point(0, v.data_ptr())
         self.find.point(1, bad.data_ptr())
-        self.find.launch(self.find_grid, device.THREADS, stream)
+        self.find.launch(self.find_grid, device.FIND_THREADS, stream)
         main = self.main
         for arg, x in enumerate((q, k, v, o, lse, bad)):
             main.point(arg, x.data_ptr())

@@ -107,6 +107,25 @@ pack_f16x2.__doc__ = """int32 pair of float16(lo), float16(hi), rounded
 to nearest even (overflow gives inf)."""
 
 
+@intrinsic
+def pack_e4m3x4(typingctx, x0, x1, x2, x3):
+    """int32 of four e4m3 bytes, x0's the lowest: each float32 rounded to
+    nearest even, beyond +-448 saturated, NaN as 0x7F (flashlab.fp8.to_e4m3
+    is the model); the A fragment of an 8-bit wgmma (sm_89 on)."""
+    sig = types.int32(types.float32, types.float32, types.float32,
+                      types.float32)
+
+    def codegen(context, builder, signature, args):
+        # cvt puts its first source operand in the upper byte
+        return _asm(builder, "{ .reg .b16 lo, hi;\n\t"
+                    "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n\t"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n\t"
+                    "mov.b32 $0, {lo, hi}; }", "=r,f,f,f,f", _I32,
+                    list(args))
+
+    return sig, codegen
+
+
 def _unpack(kind):
     """An intrinsic widening an int32 pair of 16-bit floats to float32."""
     _F2 = types.UniTuple(types.float32, 2)

@@ -74,6 +74,7 @@ def _fixed(kernel):
 
 _F32 = ("float32",)
 _HALF = ("bfloat16", "float16")
+E4M3 = "float8_e4m3fn"  # torch's name of the e4m3 dtype
 _BASE = dict(head_dims=SCALAR_DIMS, min_cc=(7, 5))
 _HELPER = dict(_BASE, threads=device.THREADS, helper=True)
 KERNELS = (
@@ -109,6 +110,13 @@ KERNELS = (
              max_cc=(9, 0), shared=forward_v8.shared_bytes,
              derived=forward_v8.derived)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # e4m3 inputs, a bf16 output: flashlab.gpu.attention_fp8
+    Kernel("forward_v8_e4m3", forward_v8.make_e4m3, "forward8_tma",
+           (E4M3,), forward_v8.E4M3_DIMS, (9, 0), forward_v8.THREADS,
+           max_registers=forward_v8.MAX_REGISTERS, version=8,
+           max_cc=(9, 0),
+           shared=functools.partial(forward_v8.shared_bytes, size=1),
+           derived=forward_v8.derived_e4m3),
     # one thread per own row: 64 or 32 by the head dims (backward.sizes)
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
            threads=None, **_BASE),
@@ -140,10 +148,15 @@ KERNELS = (
     Kernel("row_dot", _fixed(device.row_dot), "row_dot", _F32, **_HELPER),
     Kernel("find_bad_columns", _fixed(device.find_bad_columns),
            "find_bad", _F32, **_HELPER),
-    Kernel("find_bad_parts32", _fixed(device.find_bad_parts32),
-           "find_parts", _F32, **_HELPER),
-    Kernel("find_bad_parts16", _fixed(device.find_bad_parts16),
-           "find_parts16", _HALF, **_HELPER),
+    # V's bad parts, V read as int32 words of values of 32, 16, 8 bits
+    *(Kernel(f"find_bad_parts{width}",
+             _fixed(getattr(device, f"find_bad_parts{width}")),
+             "find_parts", dtypes,
+             **dict(_HELPER, threads=device.FIND_THREADS))
+      for width, dtypes in ((32, _F32), (16, _HALF), (8, (E4M3,)))),
+    # e4m3 V -> V^T in the key order of P's packed fragments
+    Kernel("transpose_keys8", _fixed(forward_v8.transpose_keys8),
+           "transpose8", (E4M3,), **_HELPER),
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
              "row_dot16", (dtype,), **_HELPER)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
@@ -224,6 +237,7 @@ def argument_types(args):
         int64,
         typeof,
         uint8,
+        uint32,
         uint64,
     )
 
@@ -243,6 +257,9 @@ def argument_types(args):
         # and the TMA tensor maps of q, k, v (forward_v8.tensor_maps)
         "forward16_tma": (h3, h3, h3, int32[:, :, ::1], a2, parts, *common,
                           uint64[::1]),
+        # e4m3 q, k, V^T bytes, bf16 pairs out, descale_v, the maps
+        "forward8_tma": (parts, parts, parts, int32[:, :, ::1], a2, parts,
+                         *common, float32, uint64[::1]),
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3, *common),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),
         "backward16_dq": (h3, h3, h3, h3, a2, a2, a3, *common),
@@ -251,8 +268,8 @@ def argument_types(args):
         "row_dot": (a3, a3, a2),
         "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),
         "find_bad": (a3, b2),
-        "find_parts": (a3, parts, int64),
-        "find_parts16": (h3, parts, int64),
+        "find_parts": (int32[:, :, ::1], parts, int64),  # V as words
+        "transpose8": (uint32[:, :, ::1], uint32[:, :, ::1]),
         "finish": (a3, a2, b2, b2),
         "row_statistics": (a3, a3, a2, a2, *common),
         "row_statistics16": (h3, h3, a2, a2, *common),

@@ -43,11 +43,13 @@ class Traits(NamedTuple):
 # what each argument list (registry.Kernel.args) writes
 RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "forward16": ("o", "lse"), "forward16_tma": ("o", "lse"),
+           "forward8_tma": ("o", "lse"),
+           "transpose8": ("v_t",),
            "backward_kv": ("dk", "dv"), "backward_q": ("dq",),
            "backward16_dq": ("dq",), "backward16_dkv": ("dk", "dv"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
-           "find_parts": ("parts",), "find_parts16": ("parts",),
+           "find_parts": ("parts",),
            "finish": ("o", "lse"), "row_statistics": ("stats",),
            "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
@@ -111,6 +113,11 @@ def _wgmma(m, d, d_v):
     return _mma(m.BR, bc, m.THREADS, d // 16, bc // 8, d_v // 8, 0)
 
 
+def _wgmma8(m, d, d_v):
+    """_wgmma on e4m3: k-steps of 32."""
+    return dict(_wgmma(m, d, d_v), k_steps=d // 32)
+
+
 def _backward(m, d, d_v, keys):
     """One thread per own row (a key, or a query), the other side staged
     in chunks of CH rows: own rows padded, chunk rows not (and the chunk's
@@ -151,12 +158,14 @@ def _backward_wgmma(m, d, d_v, keys):
 
 
 def _helper(spec):
-    """An element-wise kernel: no tiles; find_bad_parts keeps a byte per
-    column of V in SRAM."""
+    """An element-wise kernel: no tiles; find_bad_parts keeps a word per
+    column of V's words in SRAM."""
     finds_parts = spec.make(0, 0) in (device.find_bad_parts32,
-                                      device.find_bad_parts16)
+                                      device.find_bad_parts16,
+                                      device.find_bad_parts8)
     return dict(br=0, bc=0, threads=spec.threads, k_steps=0, n_tiles=0,
-                o_tiles=0, shared=device.PART_COLUMNS if finds_parts else 0)
+                o_tiles=0,
+                shared=4 * device.PART_COLUMNS if finds_parts else 0)
 
 
 # a kernel's factory (module.function) -> how its tiles follow from d, d_v
@@ -169,6 +178,7 @@ LAYOUTS = {
     "forward_v6.make": _v6,
     "forward_v7.make": _wgmma,
     "forward_v8.make": _wgmma,
+    "forward_v8.make_e4m3": _wgmma8,
     "backward.make_kv": functools.partial(_backward, keys=True),
     "backward.make_q": functools.partial(_backward, keys=False),
     "backward.make_kv_blocked": functools.partial(_blocked, keys=True),

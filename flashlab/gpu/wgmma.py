@@ -28,7 +28,8 @@ from numba.cuda.extending import intrinsic
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
-KINDS = {"bf16": "bf16", "f16": "f16"}  # the PTX type of each 16-bit kind
+KINDS = {"bf16": "bf16", "f16": "f16", "e4m3": "e4m3"}  # PTX input types
+K_STEP = {"bf16": 16, "f16": 16, "e4m3": 32}  # k of one wgmma: 32 bytes
 
 
 def _elements(context, builder, arr_type, arr, count):
@@ -53,14 +54,15 @@ def _product(body, registers, wait):
 
 
 def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
-    """acc = A B: `steps` k-steps of m64n<n>k16, A and B from shared memory.
+    """acc = A B: `steps` k-steps of m64n<n>k16 (k32 for e4m3), A and B
+    from shared memory.
 
     mma_ss(...)(acc, desc_a, desc_b): acc a float32 local array of n / 2
     (C-contiguous, register r at flat index r), desc_a and desc_b uint64
     descriptors of k-step 0; k-step s reads s a_step, s b_step bytes
     further on, or a_step[s], b_step[s] where they are tuples
     (compile-time constants: a swizzled tile's k-steps jump between
-    panels). trans_b = 1 reads B MN-major. k-step 0
+    panels). trans_b = 1 reads B MN-major (16-bit kinds only). k-step 0
     ignores acc's old values (scale-d false): nothing needs zeroing.
     """
     regs = n // 2
@@ -70,9 +72,9 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
     for s in range(steps):
         body += [f"add.s64 a{s}, ${regs}, {a_at[s] >> 4};",
                  f"add.s64 b{s}, ${regs + 1}, {b_at[s] >> 4};",
-                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
-                 f"{KINDS[kind]}.{KINDS[kind]} {d}, a{s}, b{s}, "
-                 f"{'z' if s == 0 else 'p'}, 1, 1, 0, {trans_b};"]
+                 f"{_opcode(n, kind)} {d}, a{s}, b{s}, "
+                 f"{'z' if s == 0 else 'p'}, 1, 1"
+                 f"{_trans(kind, 0, trans_b)};"]
     ptx = _product(body, f"a<{steps}>, b<{steps}>", wait)
     constraints = ",".join(["=f"] * regs + ["l", "l"])
 
@@ -95,6 +97,25 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
     return intrinsic(typer)
 
 
+def _opcode(n, kind):
+    """The wgmma opcode of m64n<n> for input `kind`, float32 accumulators:
+    k16 for 16-bit inputs, k32 for 8-bit ones (32 bytes of K either way).
+    """
+    return (f"wgmma.mma_async.sync.aligned.m64n{n}k{K_STEP[kind]}.f32."
+            f"{KINDS[kind]}.{KINDS[kind]}")
+
+
+def _trans(kind, *flags):
+    """The transpose immediates of a 16-bit wgmma; 8-bit inputs have none
+    (both operands are read K-major)."""
+    if K_STEP[kind] != 16:
+        if any(flags):
+            raise ValueError(f"kind: {kind} operands are K-major only, got"
+                             f" transpose flags {flags}")
+        return ""
+    return "".join(f", {x}" for x in flags)
+
+
 def _offsets(step, steps):
     """Byte offset of each k-step: s step, or step[s] for a tuple."""
     return tuple(step) if isinstance(step, tuple) else tuple(
@@ -102,25 +123,27 @@ def _offsets(step, steps):
 
 
 def mma_rs(n, steps, b_step, kind, trans_b=1, wait=True):
-    """acc += A B: `steps` k-steps of m64n<n>k16, A from registers, B from
-    shared memory.
+    """acc += A B: `steps` k-steps of m64n<n>k16 (k32 for e4m3), A from
+    registers, B from shared memory.
 
     mma_rs(...)(acc, a, desc_b): acc a float32 local array of n / 2, a an
-    int32 local array (steps, 4) of 16-bit pairs, row s the A fragment of
-    k-step s (fragments.wgmma_a_places), desc_b the uint64 descriptor of
-    k-step 0, k-step s b_step bytes on. trans_b = 1 (the default) reads B
-    MN-major: V stored keys x d_v is B of P V.
+    int32 local array (steps, 4), row s the A fragment of k-step s: 16-bit
+    pairs (fragments.wgmma_a_places) or e4m3 quads
+    (fragments.wgmma_a8_places); desc_b the uint64 descriptor of k-step
+    0, k-step s b_step bytes on (or b_step[s], a tuple). trans_b = 1 (the
+    default, 16-bit kinds) reads B MN-major: V stored keys x d_v is B of
+    P V. e4m3 reads it K-major only (trans_b = 0): V^T.
     """
     regs = n // 2
     d = "{" + ",".join(f"${i}" for i in range(regs)) + "}"
     desc = regs + 4 * steps  # operand number of desc_b
+    b_at = _offsets(b_step, steps)
     body = []
     for s in range(steps):
         a = "{" + ",".join(f"${regs + 4 * s + x}" for x in range(4)) + "}"
-        body += [f"add.s64 b{s}, ${desc}, {s * b_step >> 4};",
-                 f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32."
-                 f"{KINDS[kind]}.{KINDS[kind]} {d}, {a}, b{s}, p, 1, 1, "
-                 f"{trans_b};"]
+        body += [f"add.s64 b{s}, ${desc}, {b_at[s] >> 4};",
+                 f"{_opcode(n, kind)} {d}, {a}, b{s}, p, 1, 1"
+                 f"{_trans(kind, trans_b)};"]
     ptx = _product(body, f"b<{steps}>", wait)
     constraints = ",".join(["=f"] * regs + ["r"] * (4 * steps) + ["l"]
                            + [str(i) for i in range(regs)])
