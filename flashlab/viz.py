@@ -1180,13 +1180,13 @@ def v8_program(tiles=4, d=64, d_v=None):
     d_v = d if d_v is None else d_v
     tree = ast.parse(textwrap.dedent(inspect.getsource(v8.make)))
     make = tree.body[0]
-    kernel = next(f for f in ast.walk(make)
-                  if isinstance(f, ast.FunctionDef)
-                  and f.name == "forward_v8")
+    kernel = next(f for f in ast.walk(make)  # the body the kernel runs
+                  if isinstance(f, ast.FunctionDef) and f.name == "run")
     ints = {k: x for k, x in vars(v8).items()
-            if isinstance(x, int) or k == "BLOCK_K"}
-    names = {**ints, "D": d, "D_V": d_v, "uint32": int, "uint64": int,
-             "int32": int, "range": range, "min": min, "max": max}
+            if isinstance(x, int) or k in ("BLOCK_K", "BYTES", "K_STEP")}
+    names = {**ints, "D": d, "D_V": d_v, "kind": "bf16", "uint32": int,
+             "uint64": int, "int32": int, "range": range, "min": min,
+             "max": max}
     box_rows = (v8.BR, v8.BLOCK_K[d], v8.BLOCK_K[d])
 
     def value(node, ns):
@@ -1208,9 +1208,14 @@ def v8_program(tiles=4, d=64, d_v=None):
         for target in st.targets:
             bind(target, x, ns)
 
-    for st in make.body:  # make's constants: BC, KD, Q_S, ...
-        if isinstance(st, ast.Assign):
-            assign(st, names)
+    def constants(statements):  # make's constants: BC, KD, Q_B, ...
+        for st in statements:
+            if isinstance(st, ast.Assign):
+                assign(st, names)
+            elif isinstance(st, ast.If):  # the 16-bit kinds' branch
+                constants(st.body if value(st.test, names) else st.orelse)
+
+    constants(make.body)
 
     def called(node):
         f = getattr(node, "func", None)

@@ -88,13 +88,15 @@ def check(o, lse, values, **opts):
     finite = np.isfinite(lse_ref)
     assert np.array_equal(finite, np.isfinite(lse))
     # lse: float32 sums of Nk terms, and S from the tensor cores' sums of
-    # 128 exact e4m3 products (2^-12 of the largest |q| . |k| allowed)
+    # 128 exact e4m3 products, which keep fewer bits than float32: on the
+    # H200 |lse - lse_ref| reached 2^-12 of the largest tau |q| . |k| of
+    # the row (12 runs, spreads 1 to 4); the budget is 2^-10 of it
     tau = 1 / np.sqrt(128)
     if k.shape[-3] != q.shape[-3]:
         k = np.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
     size = tau * (np.abs(q) @ np.abs(np.swapaxes(k, -1, -2))).max(-1)
     eps = float(np.finfo(np.float32).eps)
-    tol = eps * (k.shape[-2] + 8 * (1 + np.abs(lse_ref))) + 2.0**-12 * size
+    tol = eps * (k.shape[-2] + 8 * (1 + np.abs(lse_ref))) + 2.0**-10 * size
     over = (np.abs(lse - lse_ref) / tol)[finite]
     assert over.max() <= 1, (over.max(), np.abs(lse - lse_ref)[finite].max())
 

@@ -69,9 +69,10 @@ def main(argv=None):
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
     ap.add_argument("--hopper", action="store_true",
-                    help="v5, v7 and v8 (wgmma) forwards and backward_v5 "
-                         "and v7 against flash and cuDNN, with accuracy "
-                         "and the ladder that built v8 (Hopper)")
+                    help="v5, v7 and v8 (wgmma) forwards, v8 on e4m3, "
+                         "and backward_v5 and v7 against flash and "
+                         "cuDNN, with accuracy and the ladder that built "
+                         "v8 (Hopper)")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
