@@ -335,3 +335,61 @@ register("p_exponent", Exercise(
       "in the exponent", _exponent_unrounded),
      ("compute in float32, as the kernel does: float64 arithmetic rounds "
       "differently", _exponent_float64))))
+
+# ------------------------------------------------------- e4m3_key_order
+
+
+def _cases_key_order(rng):
+    every = np.arange(32)
+    lane = int(rng.integers(0, 4))
+    mine = np.array([16 * h + 4 * lane + y for h in (0, 1)
+                     for y in range(4)])  # lane's bytes in registers 0, 2
+    some = rng.permutation(32)[:int(rng.integers(3, 12))]
+    return [Case(name, (k,), fragments.key_of_column8(k))
+            for name, k in (("every column of a k-step", every),
+                            (f"the columns lane {lane} of a quad holds",
+                             mine),
+                            ("a random handful of columns", some))]
+
+
+def e4m3_key_order(k):
+    """Chapter 12: the key (0..31) that column k of an e4m3 k-step's A
+    operand holds when P is packed from S's C fragments without moving a
+    byte between lanes.
+
+    Column 16 h + 4 t + y is byte y of lane t's register 2 h (or 2 h + 1:
+    the rows differ, not the columns). That lane holds S's columns
+    2 t, 2 t + 1 of n-tiles 2 h and 2 h + 1, keys 8 apart: bytes 0 and 1
+    take the first n-tile's pair, bytes 2 and 3 the second's.
+    """
+    h, t, y = k // 16, (k % 16) // 4, k % 4
+    return 16 * h + 8 * (y // 2) + 2 * t + y % 2
+
+
+def _key_order_identity(k):
+    return np.asarray(k).copy()
+
+
+def _key_order_inverse(k):
+    # where key k sits, not which key column k holds
+    h, pair, t, c = k // 16, (k % 16) // 8, (k % 8) // 2, k % 2
+    return 16 * h + 4 * t + 2 * pair + c
+
+
+def _key_order_four_apart(k):
+    h, t, y = k // 16, (k % 16) // 4, k % 4
+    return 16 * h + 4 * (y // 2) + 2 * t + y % 2
+
+
+register("e4m3_key_order", Exercise(
+    12, "e4m3_key_order(k int array) -> int array: the key each A column "
+    "k (0..31) of an e4m3 k-step holds, P packed from S's C fragments "
+    "without moving bytes between lanes (V^T's key order)",
+    _cases_key_order, e4m3_key_order,
+    (("the packed P is not in key order: a lane's four A bytes are "
+      "consecutive columns, but its C fragments hold pairs of keys from "
+      "two n-tiles", _key_order_identity),
+     ("that is where each key goes, the inverse: the exercise asks which "
+      "key a column holds", _key_order_inverse),
+     ("the second pair comes from the next n-tile of S, 8 keys on, not "
+      "4", _key_order_four_apart))))
