@@ -1,10 +1,11 @@
 """Training shapes: flashlab.torch.attention against SDPA's backends.
 
 bf16, as a model calls each: a forward+backward step at B16 H12 N1K d64
-causal (autograd from a fixed random dO) and a forward at B2 H8 N1K d64,
-against torch's flash backend (the baseline) and cuDNN where this build
-has it. ms by CUDA events (host gaps included, as a model pays them),
-TFLOP/s by costs.flops (forward plus backward for a step). Writes
+causal (autograd from a fixed random dO), a forward at B2 H8 N1K d64, and
+forward+backward steps at d128, causal, N from 2K to 8K (B8 H16, B4 H32,
+B1 H16), against torch's flash backend (the baseline) and cuDNN where
+this build has it. ms by CUDA events (host gaps included, as a model pays
+them), TFLOP/s by costs.flops (forward plus backward for a step). Writes
 training.csv. See the launch-path issue.
 """
 
@@ -13,7 +14,11 @@ from flashlab.bench.runner import Case, Suite
 
 IMPLS = ("flashlab", "torch flash", "torch cudnn")
 SHAPES = (("fwd+bwd", 16, 12, 1024, 64, True),
-          ("forward", 2, 8, 1024, 64, False))
+          ("forward", 2, 8, 1024, 64, False),
+          # the Hopper issue's training shapes, d = 128, causal
+          ("fwd+bwd", 8, 16, 2048, 128, True),
+          ("fwd+bwd", 4, 32, 4096, 128, True),
+          ("fwd+bwd", 1, 16, 8192, 128, True))
 COLUMNS = ("device", "impl", "pass", "causal", "dtype", "B", "H", "N",
            "d", "ms", "tflops", "vs_torch")
 SHOWN = ("device", "pass", "impl", "causal", "B", "H", "N", "d", "ms",
