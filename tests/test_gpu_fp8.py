@@ -192,3 +192,13 @@ def test_fp8_single_rows_and_keys(rng):
     for nq, nk in ((1, 1), (1, 300), (300, 1)):
         codes, scales, values = quantized(rng, (1, 1), nq, nk)
         check(*run(codes, scales), values)
+
+
+def test_fp8_descales_past_float32_are_refused(rng):
+    # the kernel takes tau descale_q descale_k and descale_v as float32
+    codes, scales, _ = quantized(rng, (1, 1), 70, 90)
+    q, k, v = codes
+    with pytest.raises(ValueError, match="^descale_q, descale_k: tau"):
+        gpu.attention_fp8(q, k, v, descale_q=1e30, descale_k=1e30)
+    with pytest.raises(ValueError, match="^descale_v: expected a finite"):
+        gpu.attention_fp8(q, k, v, descale_v=1e39)

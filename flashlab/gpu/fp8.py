@@ -13,8 +13,8 @@ call, in the key order that makes packing P free).
 Every semantic of the 16-bit forwards holds (masks, causal and window
 with both alignments, padding, dropout, grouped heads, lse and the
 non-finite rule: a NaN code in V makes its column NaN). Head dims are
-128 (d = d_v); there is no fp8 backward: the 16-bit backward takes the
-saved lse. See chapter 12.
+128 (d = d_v). There is no e4m3 backward: training keeps bf16. See
+chapter 12.
 """
 
 import math
@@ -29,14 +29,16 @@ from flashlab.gpu.adapters import device_view, is_torch
 from flashlab.gpu.build import kernel
 
 NAME = "forward_v8_e4m3"
+F32_MAX = float(np.finfo(np.float32).max)  # what the packed scales hold
 
 
 def quantize(x):
     """(x8, descale): torch tensor x as float8_e4m3fn codes times one
     float descale = amax / 448 over x's finite entries (1.0 where none is
-    nonzero), rounded to nearest even; NaN and +-inf become NaN codes,
-    never a saturated number (e4m3 has no infinity). Reads amax back to
-    the host: one synchronization."""
+    nonzero), x / descale rounded to nearest even (in float32 first, so
+    a value next to a tie may land one code from flashlab.fp8.quantize);
+    NaN and +-inf become NaN codes, never a saturated number (e4m3 has no
+    infinity). Reads amax back to the host: one synchronization."""
     import torch
 
     if not is_torch(x) or not x.is_floating_point():
@@ -198,8 +200,15 @@ class _Plan:
             main.point(arg, x.data_ptr())
         fields = self.rules._fields
         # tau and Q's and K's scales: one float32 rounding of the product
-        main.put(6, fields.index("scale"), "f",
-                 self.tau * descales[0] * descales[1])
+        scale = self.tau * descales[0] * descales[1]
+        if not scale < F32_MAX:
+            raise ValueError(f"descale_q, descale_k: tau times their "
+                             f"product must be a finite float32, got "
+                             f"{scale!r}")
+        if not descales[2] < F32_MAX:
+            raise ValueError(f"descale_v: expected a finite float32, got "
+                             f"{descales[2]!r}")
+        main.put(6, fields.index("scale"), "f", scale)
         main.put(9, 0, "f", descales[2])
         if self.rules.use_dropout:
             host._check_seed(seed)
