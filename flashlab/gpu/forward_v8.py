@@ -14,8 +14,13 @@ is left in the loop, so neither warpgroup waits for the other, and
 240 a thread where the kernel is built with 168).
 
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
-them as the last argument; DriverKernel calls `prepare` before every
-launch, so flashlab.gpu's callers pass v5's arguments. See chapter 12.
+them as the last argument; the launch's `derived` update points it at
+them before every launch, so flashlab.gpu's callers pass v5's arguments.
+
+`make_e4m3` builds the same kernel for e4m3 inputs (flashlab.gpu.fp8):
+k32 products, P packed to e4m3 in each lane's own registers (`make_a8`),
+and V given as V^T in the matching key order (`transpose_keys8`, whose
+torch model is `to_v_t`). See chapter 12.
 """
 
 import ctypes
