@@ -140,6 +140,8 @@ class _Plan:
         d, d_v = q.shape[-1], v.shape[-1]
         tr = traits.traits(NAME, d, d_v)
         self.threads = tr.threads
+        self.transpose_threads = traits.traits("transpose_keys8", 0,
+                                               0).threads
         self.grid = (math.ceil(call.nq / tr.br), call.bh)
         self.shapes = ((call.bh, call.nq, d), (call.bh_kv, call.nk, d),
                        (call.bh_kv, call.nk, d_v))
@@ -189,8 +191,7 @@ class _Plan:
         self.transpose.point(0, v8.data_ptr())
         self.transpose.point(1, v_t.data_ptr())
         self.transpose.launch((self.keys // 32, self.shapes[2][0]),
-                              forward_v8.transpose_threads(
-                                  self.shapes[2][2]), stream)
+                              self.transpose_threads, stream)
         self.find.point(0, v8.data_ptr())
         self.find.point(1, bad.data_ptr())
         self.find.launch(self.bad_shape[1::-1], device.FIND_THREADS,

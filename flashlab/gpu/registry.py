@@ -154,9 +154,12 @@ KERNELS = (
              "find_parts", dtypes,
              **dict(_HELPER, threads=device.FIND_THREADS))
       for width, dtypes in ((32, _F32), (16, _HALF), (8, (E4M3,)))),
-    # e4m3 V -> V^T in the key order of P's packed fragments
+    # e4m3 V -> V^T in the key order of P's packed fragments (8 threads
+    # a word of a V row, at the e4m3 head dims)
     Kernel("transpose_keys8", _fixed(forward_v8.transpose_keys8),
-           "transpose8", (E4M3,), **_HELPER),
+           "transpose8", (E4M3,),
+           **dict(_HELPER, threads=forward_v8.transpose_threads(
+               max(forward_v8.E4M3_DIMS)))),
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
              "row_dot16", (dtype,), **_HELPER)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
