@@ -231,9 +231,10 @@ def test_backward_exponents_shift_first(rng):
     # backward_v5.p_of's exponent, (s tau - shift) log2 e in float32 as
     # the kernels round it: equal huge scores give exponent 0 (P = 1)
     # where folding log2 e into the shift erred by up to 2**38, no finite
-    # score overflows, and for ordinary rows P is the forward's (one FMA
-    # with shift log2 e rounded, warp.online_softmax) within the
-    # rounding warp.WIDE bounds: 2**-12 ln 2 at |shift| = WIDE
+    # score overflows, and for ordinary rows P is the forward's (one FMA,
+    # s (tau log2 e) - shift log2 e with both constants rounded,
+    # warp.online_softmax) within the rounding warp.WIDE bounds:
+    # 2**-12 ln 2 at |shift| = WIDE
     f = np.float32
 
     def exponent(s, tau, shift):
@@ -244,13 +245,13 @@ def test_backward_exponents_shift_first(rng):
     s = rng.standard_normal(10**5).astype(f) * f(1e4)
     for top in (10.0, float(warp.WIDE)):
         shift = f(top)
-        x = (s * tau).astype(f)
-        x = x[x <= shift]
-        forward = (x.astype(np.float64) * warp.LOG2E
+        x = s[(s * tau).astype(f) <= shift]  # raw scores of the row
+        forward = (x.astype(np.float64) * f(tau * warp.LOG2E)
                    - f(shift * warp.LOG2E)).astype(f)
         p_b, p_f = (np.exp2(e.astype(np.float64)) for e in (
-            exponent(x, f(1), shift), forward))
-        assert np.all(np.abs(p_b - p_f) <= 2.0**-12 * p_f + 2.0**-30), top
+            exponent(x, tau, shift), forward))
+        assert np.all(np.abs(p_b - p_f) <= 2.0**-12 * np.log(2) * p_f
+                      + 2.0**-30), top
     for huge in (1.8e7, -3.0e38, 6.0e4, 3.0e38):
         s = np.full(10, huge, f)
         assert np.all(exponent(s, f(1), s[0]) == 0), huge

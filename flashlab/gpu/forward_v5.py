@@ -88,7 +88,8 @@ def make(D, D_V, kind="bf16"):
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
-        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         # SRAM tiles by address: cp.async and ldmatrix add offsets to these
         q_at, k_at = shared_address(q_s, 0), shared_address(k_s, 0)
         v_at = shared_address(v_s, 0)
@@ -139,7 +140,7 @@ def make(D, D_V, kind="bf16"):
                 load_tile16(k_at, k, bk, j0 + BC, BC, D, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
-                         nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
+                         nq, nk, rules, kv_len, mask, kv)  # S_ij -> P_ij
             rescale(of, al, NO)
             # O_i += P_ij V_j: P's C fragments are P V's A fragments
             for kp in range(NS // 2):

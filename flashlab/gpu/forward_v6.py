@@ -105,7 +105,8 @@ def make(D, D_V, precision="3xtf32"):
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + g  # this lane's first row
         r0, r1 = min(row, nq - 1), min(row + 8, nq - 1)  # rows it reads
-        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         k_at, v_at = shared_address(k_s, 0), shared_address(v_s, 0)
         if first <= last:  # HBM -> SRAM: the first K tile (Bc d)
             load_tile32(k_at, k, bk, first * BC, BC, D, SK, t)
@@ -144,7 +145,7 @@ def make(D, D_V, precision="3xtf32"):
                 load_tile32(k_at, k, bk, j0 + BC, BC, D, SK, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
-                         nq, nk, rules, kv_len, mask)  # S_ij -> P_ij
+                         nq, nk, rules, kv_len, mask, kv)  # S_ij -> P_ij
             # registers -> SRAM: P_ij, (16, Bc) per warp, for its A operand
             for n in range(NS):
                 for x in range(4):

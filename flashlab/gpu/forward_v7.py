@@ -215,7 +215,8 @@ def make(D, D_V, kind="bf16"):
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
-        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         at = shared_address(tiles, 0)
         q_at = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         k_at = q_at + uint32(2 * Q_S)  # stage s at + 2 K_S s bytes
@@ -250,7 +251,7 @@ def make(D, D_V, kind="bf16"):
                      t)
             cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         first * BC, nq, nk, rules, kv_len, mask)
+                         first * BC, nq, nk, rules, kv_len, mask, kv)
             to_a(pf, sf)
         for jt in range(first + 1, last + 1):
             # stage of tile jt: (jt - first) % 2; of tile jt - 1: the other
@@ -271,7 +272,7 @@ def make(D, D_V, kind="bf16"):
             s_wait_one(sf)
             # the softmax of tile jt while P V of tile jt - 1 runs
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         jt * BC, nq, nk, rules, kv_len, mask)
+                         jt * BC, nq, nk, rules, kv_len, mask, kv)
             o_wait(of, pf)
             rescale(of, al, NO)
             to_a(pf, sf)

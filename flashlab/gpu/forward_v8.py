@@ -163,7 +163,8 @@ def make(D, D_V, kind="bf16"):
         i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
-        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         at = shared_address(tiles, 0)
         bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         q_at = bars + uint32(BARRIERS)
@@ -233,7 +234,7 @@ def make(D, D_V, kind="bf16"):
             s_wait(sf)
             tma.arrive(bars + uint32(8 * K_EMPTY))
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         first * BC, nq, nk, rules, kv_len, mask)
+                         first * BC, nq, nk, rules, kv_len, mask, kv)
             to_a(pf, sf)
         for jt in range(first + 1, last + 1):
             n = jt - first
@@ -247,7 +248,7 @@ def make(D, D_V, kind="bf16"):
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
             # the softmax of tile jt while P V of tile jt - 1 runs
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         jt * BC, nq, nk, rules, kv_len, mask)
+                         jt * BC, nq, nk, rules, kv_len, mask, kv)
             o_wait(of, pf)
             tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
             rescale(of, al, NO)

@@ -10,7 +10,7 @@ four lanes of a group share a row and meet by shuffles. See chapter 10.
 import math
 
 import numpy as np
-from numba import cuda, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from flashlab import fragments
 from flashlab.gpu.device import (
@@ -40,14 +40,15 @@ BR = 16 * WARPS  # query rows per block
 LOG2E = np.float32(math.log2(math.e))
 LN2 = np.float32(math.log(2.0))
 # Up to this |shift| (natural units), exp(s tau - shift) is one FMA and
-# one exp2: s tau log2 e - shift log2 e, with shift log2 e rounded to
-# float32. That rounding is half an ulp of |shift| log2 e <= 5909, 2**-12,
-# an error of at most 2**-12 ln 2 (0.017%) in P, below a 16-bit output's
-# rounding; it grows with the shift (at |shift| = 1e19 it is 2**38 and P
-# overflows). Beyond it the row's scores are shifted first (exact where
-# they matter: near the shift) and its shift is then 0, which also keeps
-# scores near the float32 limit finite
-WIDE = np.float32(2.0**12)
+# one exp2: s (tau log2 e) - shift log2 e, with tau log2 e, the shift
+# and shift log2 e each rounded to float32. Together they move the
+# exponent by at most 2**-12 (|shift| log2 e <= 1477, whose half-ulp is
+# 2**-14), so P errs by at most 2**-12 ln 2 (0.017%), below a 16-bit
+# output's rounding; the error grows with the shift (at |shift| = 1e19
+# it is 2**38 and P overflows). Beyond it the row's scores are shifted
+# first (exact where they matter: near the shift) and its shift is then
+# 0, which also keeps scores near the float32 limit finite
+WIDE = np.float32(2.0**10)
 FULL_MASK = 0xFFFFFFFF  # every lane takes part in a shuffle
 
 swizzle = cuda.jit(device=True)(fragments.swizzle)
@@ -281,34 +282,62 @@ def make_store_rows16(pack, n_tiles):
     return store_rows16
 
 
+CHAINS = 8  # independent partial maxima and sums of a row's terms
+
+
 @inline
 def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
-    """S fragments (tau S) -> P in place; m, l, alpha per half.
+    """S fragments (S, or tau S where tau <= 0) -> P in place; m, l,
+    alpha per half.
 
     Each lane keeps its own share of l (summed over the group at the
     end); m is the group's row maximum, the same in all four lanes. Each
-    term is one exp2 of a log2-unit exponent (`WIDE` says how it is
-    formed). The dropout weight multiplies P after l has counted it, as
-    in `tiled`.
+    term is one FMA and one exp2: s (tau log2 e) - shift log2 e, tau
+    folded into the FMA's constant (`WIDE` says how exact that is and
+    what happens beyond it). The maximum and the sum run as CHAINS
+    independent chains, merged at the end: one long chain would make
+    every step wait for the one before. The dropout weight multiplies P
+    after l has counted it, as in `tiled`.
     """
+    # tau > 0 keeps the order of scores, so the maximum of raw scores
+    # gives the scaled one; otherwise tile_softmax has scaled them
+    tau = rules.scale if rules.scale > F0 else np.float32(1)
+    per = tau * LOG2E
+    part = cuda.local.array(CHAINS, float32)
     for h in range(2):
-        mx = NEG_INF
+        for c in range(CHAINS):
+            part[c] = NEG_INF
         for n in range(tiles):
-            mx = max(mx, max(sf[n, 2 * h], sf[n, 2 * h + 1]))
-        m[h], shift, al[h] = row_step(m[h], quad_max(mx), rules.lowest)
-        shift2 = shift * LOG2E  # the usual case: one FMA a term
+            for e in range(2):
+                c = (2 * n + e) % CHAINS
+                part[c] = max(part[c], sf[n, 2 * h + e])
+        width = CHAINS // 2
+        while width > 0:
+            for c in range(width):
+                part[c] = max(part[c], part[c + width])
+            width //= 2
+        m[h], shift, al[h] = row_step(m[h], quad_max(part[0]) * tau,
+                                      rules.lowest)
+        shift2, per_h = shift * LOG2E, per
         if abs(shift) > WIDE:  # scores near the float32 limit
-            shift2 = F0
+            shift2, per_h = F0, LOG2E
             for n in range(tiles):
                 for e in range(2 * h, 2 * h + 2):
-                    sf[n, e] -= shift  # shifted first
-        part = np.float32(0)
+                    sf[n, e] = sf[n, e] * tau - shift  # shifted first
+        for c in range(CHAINS):
+            part[c] = F0
         for n in range(tiles):
-            for e in range(2 * h, 2 * h + 2):
-                p = ex2(sf[n, e] * LOG2E - shift2)
-                part += p
-                sf[n, e] = p
-        l[h] = al[h] * l[h] + part
+            for e in range(2):
+                p = ex2(sf[n, 2 * h + e] * per_h - shift2)
+                c = (2 * n + e) % CHAINS
+                part[c] += p
+                sf[n, 2 * h + e] = p
+        width = CHAINS // 2
+        while width > 0:
+            for c in range(width):
+                part[c] += part[c + width]
+            width //= 2
+        l[h] = al[h] * l[h] + part[0]
     if rules.use_dropout:
         gone = dropped_bits(b, i, j0, rules, tiles)
         for n in range(tiles):
@@ -319,7 +348,12 @@ def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
 
 @inline
 def rescale(of, al, tiles):
-    """O fragments times alpha of their rows."""
+    """O fragments times alpha of their rows: skipped where no row of the
+    warp has a new maximum (alpha 1 in every lane), as in most tiles of a
+    long row once its largest scores have been seen."""
+    if cuda.all_sync(FULL_MASK, al[0] == np.float32(1)
+                     and al[1] == np.float32(1)):
+        return
     for n in range(tiles):
         for e in range(4):
             of[n, e] *= al[e >> 1]
@@ -327,21 +361,22 @@ def rescale(of, al, tiles):
 
 @inline
 def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
-                 rules, kv_len, mask):
-    """One K/V tile's S fragments -> P, for v5 and v6 alike.
+                 rules, kv_len, mask, kv):
+    """One K/V tile's S fragments -> P, for every tensor-core forward.
 
-    Scores are scaled by tau (log2 e waits for the shift: folded into the
-    scale it overflowed scores above 2.36e38), pairs are masked only in
-    tiles that are not wholly allowed, `seen` notes the rows that met an
-    allowed key, and the online softmax updates m, l and alpha (al) and
-    leaves P in sf.
+    Pairs are masked (score -inf) only in tiles that are not wholly
+    allowed, `seen` notes the rows that met an allowed key, and the
+    online softmax scales the scores by tau, updates m, l and alpha (al)
+    and leaves P in sf. kv is kv_len[b], read once by the caller: a load
+    here would sit between each S and its softmax.
     """
-    for n in range(tiles):
-        for x in range(4):
-            sf[n, x] *= rules.scale
+    if not rules.scale > F0:  # tau <= 0 reorders scores: scale first
+        for n in range(tiles):
+            for x in range(4):
+                sf[n, x] *= rules.scale
     bits = int64(-1)  # every pair of a full tile is allowed
     if rules.use_mask or j0 + bc > nk or not tile_full(
-            i0, i1, j0, j0 + bc, rules, kv_len[b]):
+            i0, i1, j0, j0 + bc, rules, kv):
         bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                            tiles)
     note_allowed(seen, bits, tiles)
