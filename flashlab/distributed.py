@@ -240,7 +240,8 @@ class _Ring(torch.autograd.Function):
         local = _LOCAL[q.device.type]
         wide = local.wide(q.dtype)  # gradients add up at this width
         # the kernels' inputs: 16-bit ones stay 16-bit where a tensor-core
-        # backward takes them (it returns float32 gradients)
+        # backward takes them (its gradients, float32 or 16-bit, add up
+        # at the wide width)
         runs = local.backward_dtype(q.dtype, q.shape[-1], v.shape[-1])
         q, o, do = (x.to(runs).contiguous() for x in (q, o, do))
         lse = lse.to(wide)

@@ -61,10 +61,12 @@ def test_v8_is_registered_with_its_maps_derived():
         assert v8[:-1] == v5 and str(v8[-1]) == "array(uint64, 1d, C)"
         assert spec.derived is not None and spec.max_registers == 168
         assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
-    # registers the producer gives back cover what the consumers take
+    # registers the producer gives back cover what the consumers take:
+    # setmaxnreg moves the block's own registers (its launch's 168 a
+    # thread), so a consumer's increase waits for ever on more
     assert (forward_v8.PRODUCER_REGISTERS * 128
             + forward_v8.CONSUMER_REGISTERS * forward_v8.CONSUMERS
-            <= 65536)
+            <= forward_v8.MAX_REGISTERS * forward_v8.THREADS)
     assert forward_v8.MAX_REGISTERS * forward_v8.THREADS <= 65536
     # Q_i, two stages of K and V, the barriers and the alignment fit
     for d in forward_v8.HEAD_DIMS:

@@ -205,9 +205,12 @@ def test_backward_plan_matches_the_general_path(rng, dtype):
                                   kv_lengths=np.full((2, 4), 230))
     for f, a, s in zip(fast, again, slow):
         assert torch.equal(f, a)  # the plan reused: bit for bit
-        # D_i summed in another order: float32 rounding of |dO||O| d
+        # D_i summed in another order: float32 rounding of |dO||O| d,
+        # and a 16-bit gradient (backward_v7) may then round the other
+        # way: one unit of its dtype more
         scale = float(s.abs().max())
-        assert float((f - s).abs().max()) <= 1e-4 * scale
+        unit = float(torch.finfo(f.dtype).eps)
+        assert float((f - s).abs().max()) <= (1e-4 + unit) * scale
 
 
 def test_strided_views_take_the_cached_plan(rng):

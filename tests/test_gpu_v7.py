@@ -237,8 +237,11 @@ def test_backward_v7_against_float64_and_v5(rng, opts, d, d_v):
         want = tiled.attention_backward(*x64[:4], lse64, x64[4], **opts)
         for name, g, g5, g2, w in zip("qkv", got, v5, again, want):
             assert torch.equal(g, g2), name
-            g, g5 = g.cpu().numpy(), g5.cpu().numpy()
+            assert g.dtype == torch.bfloat16 and g5.dtype == torch.float32
+            g, g5 = g.double().cpu().numpy(), g5.cpu().numpy()
             assert not np.isnan(g).any(), (name, nq, nk)
             fair = max_abs_err(g5, w)
-            assert max_abs_err(g, w) <= 2 * fair + 2.0**-12 * float(
-                np.abs(w).max()), (name, nq, nk)
+            # v7 stores its float32 sums rounded to bf16 (half an ulp,
+            # at most 2**-8 of each); v5 stores them as they are
+            assert max_abs_err(g, w) <= 2 * fair + (2.0**-12 + 2.0**-8) * (
+                float(np.abs(w).max())), (name, nq, nk)

@@ -18,6 +18,12 @@ many a block has):
   dP^T = V_j dO_i^T from shared memory, then dV_j += (P^T Z) dO_i and
   dK_j += dS^T Q_i with P^T and dS^T as register A operands.
 
+Gradients leave in the inputs' 16-bit type, rounded once from their
+float32 accumulators (`make_store_pairs`), and dK, dV per K/V head: a
+dK/dV block visits the query tiles of every query head of its group in
+turn (`next_item`), so grouped heads sum in registers, not in a pass
+over per-query-head copies.
+
 An accumulator is backward_v5's C fragments stacked over a warpgroup
 (fragments.wgmma_c_places), so its element-wise steps (`row_terms`,
 `ds_of_rows`, `ds_of_columns`, masks and dropout bits) apply unchanged.
@@ -87,19 +93,25 @@ def shared_bytes(part, d, d_v):
     return 2 * (own(part) * (d + d_v) + 2 * STREAMED * (d + d_v)) + ALIGN
 
 
-@inline
-def store_rows(g, out, b, r, n_rows, tq, tiles, factor):
-    """A warp's rows r and r + 8 of out[b] from float32 C fragments g
-    (tiles n-tiles of 8 columns), times factor; rows past n_rows not."""
-    for h in range(2):
-        if r + 8 * h < n_rows:
-            # a row view and unsigned columns: plain stores, no index
-            # arithmetic left to hold registers at the end
-            out_r = out[b, r + 8 * h]
-            for n in range(tiles):
-                x = uint32(8 * n + tq)
-                out_r[x] = g[n, 2 * h] * factor
-                out_r[x + uint32(1)] = g[n, 2 * h + 1] * factor
+def make_store_pairs(pack, tiles):
+    """store_pairs for one 16-bit `pack` and `tiles` n-tiles of 8 columns
+    of a gradient."""
+
+    @inline
+    def store_pairs(g, out, b, r, n_rows, t, factor):
+        """A warp's rows r and r + 8 of out[b] (16-bit pairs, BH, N, d / 2)
+        from float32 C fragments g times factor, each rounded once; rows
+        past n_rows not. t is the lane's place in its group of four."""
+        for h in range(2):
+            if r + 8 * h < n_rows:
+                # a row view and unsigned columns: plain stores, no index
+                # arithmetic left to hold registers at the end
+                out_r = out[b, r + 8 * h]
+                for n in range(tiles):
+                    out_r[uint32(4 * n + t)] = pack(g[n, 2 * h] * factor,
+                                                    g[n, 2 * h + 1] * factor)
+
+    return store_pairs
 
 
 def make_dq(D, D_V, kind="bf16"):
@@ -121,11 +133,13 @@ def make_dq(D, D_V, kind="bf16"):
     sp_wait = wait_for(0, NS * 4, NS * 4)
     g_wait = wait_for(0, NQ * 4, KP * 4)  # dQ, and dS (its A operand)
     to_a = make_to_a(PACKS[kind], KP)
+    store_pairs = make_store_pairs(PACKS[kind], NQ)
 
     @cuda.jit
     def backward_v7_dq(q, k, v, do, stats, delta, dq, rules, kv_len, mask):
         # q, k, v, do: (BH, N, d) 16-bit bits; delta: (BH, Nq); stats:
-        # shifts (BH, Nq), then norms (BH, Nq) if present
+        # shifts (BH, Nq), then norms (BH, Nq) if present; dq: (BH, Nq,
+        # d / 2) 16-bit pairs
         tiles = cuda.shared.array(0, int16)  # Q_i, dO_i, 2 x (K_j, V_j)
         sf = cuda.local.array((NS, 4), float32)  # S, then P, then dS
         pf = cuda.local.array((NS, 4), float32)  # dP
@@ -143,7 +157,8 @@ def make_dq(D, D_V, kind="bf16"):
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
-        first, last = tile_range(i0, i1, nk, BC, rules, kv_len[b])
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         at = shared_address(tiles, 0)
         q_at = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         o_at = q_at + uint32(2 * Q_S)
@@ -186,7 +201,7 @@ def make_dq(D, D_V, kind="bf16"):
             p_issue(pf, o_desc, v_desc + next_stage * uint64(now))
             sp_wait(sf, pf)
             if rules.use_mask or j0 + BC > nk or not tile_full(
-                    i0, i1, j0, j0 + BC, rules, kv_len[b]):
+                    i0, i1, j0, j0 + BC, rules, kv):
                 mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                             NS)  # masked scores -inf: P 0
             gone = dropped_bits(b, row, j0, rules, NS) if (
@@ -195,22 +210,29 @@ def make_dq(D, D_V, kind="bf16"):
             to_a(af, sf)  # dS rounded to 16 bits: dQ's A operand
             g_issue(gf, af, t_desc + next_stage * uint64(now))
             g_wait(gf, af)
-        store_rows(gf, dq, b, row, nq, 2 * (lane % 4), NQ, tau)
+        store_pairs(gf, dq, b, row, nq, lane % 4, tau)
 
     return backward_v7_dq
 
 
 @inline
-def next_tile(it, nq, j0, j1, rules, kv):
-    """The first query tile after `it` (STREAMED rows each, of Nq) that
-    keys j0..j1-1 do not skip; past the last tile if none."""
-    nt = (nq + STREAMED - 1) // STREAMED
+def next_item(g, it, groups, nt, nq, j0, j1, rules, kv_len, b0):
+    """The first (g, it) after (g, it), query tile it (of nt, STREAMED rows
+    each, of Nq) of query head b0 + g (of the group's `groups`), that keys
+    j0..j1-1 do not skip; g = groups if none is left. Counters, not a
+    flat index: no division in the loop."""
     it += 1
-    while it < nt and tile_skipped(it * STREAMED,
-                                   min(it * STREAMED + STREAMED, nq),
-                                   j0, j1, rules, kv):
-        it += 1
-    return it
+    while g < groups:
+        if it == nt:
+            g += 1
+            it = 0
+        else:
+            i0 = it * STREAMED
+            if not tile_skipped(i0, min(i0 + STREAMED, nq), j0, j1, rules,
+                                kv_len[b0 + g]):
+                return g, it
+            it += 1
+    return g, it
 
 
 def make_dkv(D, D_V, kind="bf16"):
@@ -234,11 +256,14 @@ def make_dkv(D, D_V, kind="bf16"):
     v_wait = wait_for(1, NV * 4, KP * 4)  # dV, P^T in; dK may still fly
     k_wait = wait_for(0, NK * 4, KP * 4)
     to_a = make_to_a(PACKS[kind], KP)
+    store_k = make_store_pairs(PACKS[kind], NK)
+    store_v = make_store_pairs(PACKS[kind], NV)
 
     @cuda.jit
     def backward_v7_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
                         mask):
-        # q, k, v, do: (BH, N, d) 16-bit bits; dk, dv: per query head;
+        # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
+        # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
         # row_terms (shift, zn, dl) of each stage's queries
@@ -251,8 +276,8 @@ def make_dkv(D, D_V, kind="bf16"):
         gv = cuda.local.array((NV, 4), float32)  # dV_j
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
-        b = cuda.blockIdx.y
-        bk = b // rules.group  # the K/V head of query head b
+        bk = cuda.blockIdx.y  # the K/V head
+        b0 = bk * rules.group  # the first query head of its group
         j0 = cuda.blockIdx.x * BK
         nq, nk = q.shape[1], k.shape[1]
         j1 = min(j0 + BK, nk)
@@ -279,38 +304,43 @@ def make_dkv(D, D_V, kind="bf16"):
                 gv[n, x] = F0
         tau = rules.scale
         nt = (nq + BQ - 1) // BQ
-        it = next_tile(-1, nq, j0, j1, rules, kv_len[b])
-        if it < nt:  # HBM -> SRAM: K_j, V_j and the first query tile
+        groups = rules.group  # query heads of this K/V head
+        g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules, kv_len, b0)
+        if g < groups:  # HBM -> SRAM: K_j, V_j and the first query tile
+            b, i0 = b0 + g, it * BQ
             load_panels(k_at, k, bk, j0, BK, D, t)
             load_panels(v_at, v, bk, j0, BK, D_V, t)
-            load_panels(q_at, q, b, it * BQ, BQ, D, t)
-            load_panels(o_at, do, b, it * BQ, BQ, D_V, t)
+            load_panels(q_at, q, b, i0, BQ, D, t)
+            load_panels(o_at, do, b, i0, BQ, D_V, t)
             cp_async_commit()
             if t < BQ:
-                r0, r1, r2 = row_terms(stats, delta, b, it * BQ + t, nq,
+                r0, r1, r2 = row_terms(stats, delta, b, i0 + t, nq,
                                        q.shape[0], rules.drop_scale)
                 terms[0, 0, t], terms[0, 1, t], terms[0, 2, t] = r0, r1, r2
-        now = 0  # the stage of tile it
-        while it < nt:
-            nx = next_tile(it, nq, j0, j1, rules, kv_len[b])
+        now = 0  # the stage of (g, it)
+        while g < groups:
+            gn, itn = next_item(g, it, groups, nt, nq, j0, j1, rules,
+                                kv_len, b0)
             cp_async_wait_all()
-            # tile it and its terms have landed; every warpgroup has
-            # waited for the products of the tile before: the other
+            # item (g, it) and its terms have landed; every warpgroup has
+            # waited for the products of the item before: the other
             # stage is free
             handed_over()
-            if nx < nt:
+            if gn < groups:
                 free = uint32(2 * STAGE_S) * uint32(1 - now)
-                load_panels(q_at + free, q, b, nx * BQ, BQ, D, t)
-                load_panels(o_at + free, do, b, nx * BQ, BQ, D_V, t)
+                bn, n0 = b0 + gn, itn * BQ
+                load_panels(q_at + free, q, bn, n0, BQ, D, t)
+                load_panels(o_at + free, do, bn, n0, BQ, D_V, t)
                 if t < BQ:
-                    r0, r1, r2 = row_terms(stats, delta, b, nx * BQ + t,
-                                           nq, q.shape[0], rules.drop_scale)
+                    r0, r1, r2 = row_terms(stats, delta, bn, n0 + t, nq,
+                                           q.shape[0], rules.drop_scale)
                     s1 = 1 - now
                     terms[s1, 0, t], terms[s1, 1, t] = r0, r1
                     terms[s1, 2, t] = r2
             cp_async_commit()
-            i0 = it * BQ
+            b, i0 = b0 + g, it * BQ
             i1 = min(i0 + BQ, nq)
+            kv = kv_len[b]  # loaded while the products run
             at_now = next_stage * uint64(now)
             s_issue(sf, k_desc, q_desc + at_now)  # S^T = K_j Q_i^T
             p_issue(pf, v_desc, o_desc + at_now)  # dP^T = V_j dO_i^T
@@ -319,8 +349,7 @@ def make_dkv(D, D_V, kind="bf16"):
             # 8 n + tq + (x & 1) of the tile; which pairs are allowed
             # and dropped comes first, as bits
             full = not rules.use_mask and j1 - j0 == BK and \
-                i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules,
-                                            kv_len[b])
+                i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules, kv)
             ok = int64(-1) if full else allowed_bits_of(
                 b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
             gone = dropped_bits_of(b, key, i0, rules, NS, True) \
@@ -335,10 +364,10 @@ def make_dkv(D, D_V, kind="bf16"):
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)
             k_wait(gk, da)
-            it = nx
+            g, it = gn, itn
             now = 1 - now
-        store_rows(gk, dk, b, key, nk, tq, NK, tau)
-        store_rows(gv, dv, b, key, nk, tq, NV, float32(1))
+        store_k(gk, dk, bk, key, nk, lane % 4, tau)
+        store_v(gv, dv, bk, key, nk, lane % 4, float32(1))
 
     return backward_v7_dkv
 
@@ -350,5 +379,5 @@ def compile_ptx(part, d, d_v, kind="bf16"):
     with build.compiling_without_gpu(CC[:2]):
         ptx, _ = cuda.compile_ptx(
             {"dq": make_dq, "dkv": make_dkv}[part](d, d_v, kind).py_func,
-            build.signature(f"backward_v5_{part}_{kind}"), cc=CC)
+            build.signature(f"backward_v7_{part}_{kind}"), cc=CC)
     return ptx

@@ -29,6 +29,7 @@ from flashlab.gpu import (
     launch,
     registry,
     traits,
+    warp,
 )
 from flashlab.gpu.adapters import (
     HALF_BITS,
@@ -246,9 +247,10 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
-    float32 as the forward returns it and float32 gradients: `version` 7
-    (`backward_v7`, wgmma, Hopper only) or 5 (`backward_v5`, mma.sync),
-    None for the newest the GPU runs. Both are deterministic: no atomics.
+    float32 as the forward returns it: `version` 7 (`backward_v7`, wgmma,
+    Hopper only; gradients in the inputs' dtype, rounded once from
+    float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
+    the newest the GPU runs. Both are deterministic: no atomics.
     """
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
@@ -379,18 +381,27 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
     arrays = [q_k, k_k, call.to_kernel(v, (call.bh_kv, nk, d_v)),
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]
-    dq, dq_k = call.empty((bh, nq, d))
-    dk, dk_k = call.empty((bh, nk, d))  # per query head: summed below
-    dv, dv_k = call.empty((bh, nk, d_v))
     dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
+    if registry.get(names[0]).grads16:  # 16-bit pairs, per K/V head
+        bh_k = call.bh_kv
+        (dq, dq_k), (dk, dk_k), (dv, dv_k) = (
+            (out, _pairs(view)) for out, view in (
+                call.empty(shape, dtype) for shape in (
+                    (bh, nq, d), (bh_k, nk, d), (bh_k, nk, d_v))))
+    else:  # float32, per query head: dK, dV summed below
+        bh_k = bh
+        dq, dq_k = call.empty((bh, nq, d))
+        dk, dk_k = call.empty((bh, nk, d))
+        dv, dv_k = call.empty((bh, nk, d_v))
     if bh and nq and nk:
         kernel(dkv_tr.name, d, d_v)[
-            (math.ceil(nk / dkv_tr.br), bh), dkv_tr.threads,
+            (math.ceil(nk / dkv_tr.br), bh_k), dkv_tr.threads,
             call.stream](*arrays, dk_k, dv_k, *call.args)
         kernel(dq_tr.name, d, d_v)[
             (math.ceil(nq / dq_tr.br), bh), dq_tr.threads,
             call.stream](*arrays, dq_k, *call.args)
-    dk, dv = call.group_sum(dk), call.group_sum(dv)
+    if bh_k != call.bh_kv:
+        dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
@@ -777,9 +788,10 @@ class _ForwardPlan:
 
 class _BackwardPlan:
     """The 16-bit backward of one (shapes, dtype, options), prepared as
-    _ForwardPlan is: a call allocates D and the float32 gradients and
-    launches D = rowsum(dO o O) (warp.row_dot16), the dK/dV and the dQ
-    kernels from their packed buffers."""
+    _ForwardPlan is: a call allocates D and the gradients (16-bit, or
+    float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
+    (warp.row_dot16), the dK/dV and the dQ kernels from their packed
+    buffers."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
@@ -790,22 +802,28 @@ class _BackwardPlan:
         self.rules = call.args[0]
         kind = "bf16" if dtype == "bfloat16" else "f16"
         bh, nq, nk = call.bh, call.nq, call.nk
-        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
-        self.grids = ((math.ceil(nk / dkv_tr.br), bh),
-                      (math.ceil(nq / dq_tr.br), bh))
-        self.threads = (dkv_tr.threads, dq_tr.threads)
-        self.shapes = ((*call.heads, nq, d), (*call.heads, nk, d),
-                       (*call.heads, nk, d_v))
-        self.out_shapes = (self.shapes[0], (*k.shape[:-2], nk, d),
-                           (*v.shape[:-2], nk, d_v))
         import torch
 
+        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
+        # 16-bit pairs with dK, dV per K/V head, or float32 per query head
+        self.grads16 = registry.get(names[0]).grads16
+        bh_k = call.bh_kv if self.grads16 else bh
+        self.grad_dtype = q.dtype if self.grads16 else torch.float32
+        self.grids = ((math.ceil(nk / dkv_tr.br), bh_k),
+                      (math.ceil(nq / dq_tr.br), bh))
+        self.threads = (dkv_tr.threads, dq_tr.threads)
+        self.out_shapes = ((*call.heads, nq, d), (*k.shape[:-2], nk, d),
+                           (*v.shape[:-2], nk, d_v))
+        self.shapes = (self.out_shapes if self.grads16 else (
+            self.out_shapes[0], (*call.heads, nk, d), (*call.heads, nk, d_v)))
+        self.views = ((bh, nq, d), (bh_k, nk, d), (bh_k, nk, d_v))
         bits = [x.view(torch.int16) for x in (q, k, v, do)]
         self.rows = (bh, nq, d_v // 2)  # dO and O as 16-bit pairs
         self.row_dot = kernel(f"row_dot_{kind}", 0, 0).pack(
             *(x.view(torch.int32).view(self.rows) for x in (do, o)),
             self._delta(q))
         self.row_grid = (math.ceil(nq / device.THREADS), bh)
+        self.dot_grid = (math.ceil(nq / warp.DOT_ROWS), bh)
         self.statistics = kernel(f"row_statistics_{kind}", 0, 0).pack(
             bits[0].view(bh, nq, d), bits[1].view(call.bh_kv, nk, d),
             lse.view(bh, nq), self._stats(q), *call.args)
@@ -814,11 +832,17 @@ class _BackwardPlan:
                   bits[2].view(call.bh_kv, nk, d_v),
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
-        dq, dk, dv = self._grads(q)
-        self.dkv = kernel(names[0], d, d_v).pack(
-            *inputs, dk.view(bh, nk, d), dv.view(bh, nk, d_v), *call.args)
-        self.dq = kernel(names[1], d, d_v).pack(
-            *inputs, dq.view(bh, nq, d), *call.args)
+        dq, dk, dv = (self._kernel_view(g, shape) for g, shape in zip(
+            self._grads(q), self.views))
+        self.dkv = kernel(names[0], d, d_v).pack(*inputs, dk, dv,
+                                                 *call.args)
+        self.dq = kernel(names[1], d, d_v).pack(*inputs, dq, *call.args)
+
+    def _kernel_view(self, grad, shape):
+        """A gradient as its kernel writes it: (BH, N, d) float32, or 16-bit
+        pairs (BH, N, d / 2)."""
+        grad = grad.view(shape)
+        return _pairs(grad) if self.grads16 else grad
 
     def _delta(self, q):
         """Room for D_i = rowsum(dO_i o O_i), float32 (BH, Nq)."""
@@ -835,10 +859,10 @@ class _BackwardPlan:
                            dtype=torch.float32, device=q.device)
 
     def _grads(self, q):
-        """Fresh float32 dq and per-query-head dk, dv."""
+        """Fresh dq, dk, dv as the kernels write them (`grads16`)."""
         import torch
 
-        grads = [torch.empty(s, dtype=torch.float32, device=q.device)
+        grads = [torch.empty(s, dtype=self.grad_dtype, device=q.device)
                  for s in self.shapes]
         if _poisoned():
             for g in grads:
@@ -852,7 +876,7 @@ class _BackwardPlan:
         stream = torch_stream(q)
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
-        self.row_dot.launch(self.row_grid, device.THREADS, stream)
+        self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
         stats = self._stats(q)
         for arg, x in enumerate((q, k, lse, stats)):
             self.statistics.point(arg, x.data_ptr())
@@ -867,8 +891,9 @@ class _BackwardPlan:
                            self.rules._fields.index("seed"), "Q", int(seed))
         self.dkv.launch(self.grids[0], self.threads[0], stream)
         self.dq.launch(self.grids[1], self.threads[1], stream)
-        dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
-                  for g in (dk, dv))
+        if not self.grads16:  # per query head: sum each group's
+            dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
+                      for g in (dk, dv))
         return (dq, dk.view(self.out_shapes[1]),
                 dv.view(self.out_shapes[2]))
 

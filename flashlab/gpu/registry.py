@@ -54,6 +54,9 @@ class Kernel(NamedTuple):
     max_cc: tuple = None  # the newest one, for architecture-specific PTX
     shared: Callable = None  # dynamic shared bytes per block of (d, d_v)
     derived: Callable = None  # launch.Derived of (d, d_v): own arguments
+    # a backward whose gradients leave as 16-bit pairs in the inputs'
+    # type, dK and dV per K/V head (else float32, per query head)
+    grads16: bool = False
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -134,11 +137,13 @@ KERNELS = (
       for part, make in (("dq", backward_v5.make_dq),
                          ("dkv", backward_v5.make_dkv))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # gradients as 16-bit pairs, dK and dV per K/V head
     *(Kernel(f"backward_v7_{part}_{kind}",
-             functools.partial(make, kind=kind), f"backward16_{part}",
+             functools.partial(make, kind=kind), f"backward16_{part}_pairs",
              (dtype,), TENSOR_DIMS, (9, 0), backward_v7.threads(part),
              max_cc=(9, 0),
-             shared=functools.partial(backward_v7.shared_bytes, part))
+             shared=functools.partial(backward_v7.shared_bytes, part),
+             grads16=True)
       for part, make in (("dq", backward_v7.make_dq),
                          ("dkv", backward_v7.make_dkv))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
@@ -160,8 +165,9 @@ KERNELS = (
            "transpose8", (E4M3,),
            **dict(_HELPER, threads=forward_v8.transpose_threads(
                max(forward_v8.E4M3_DIMS)))),
+    # a warp per row, warp.DOT_ROWS rows a block
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
-             "row_dot16", (dtype,), **_HELPER)
+             "row_dot16", (dtype,), **dict(_HELPER, threads=warp.THREADS))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),
@@ -267,6 +273,11 @@ def argument_types(args):
         "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),
         "backward16_dq": (h3, h3, h3, h3, a2, a2, a3, *common),
         "backward16_dkv": (h3, h3, h3, h3, a2, a2, a3, a3, *common),
+        # 16-bit pairs out; dK, dV per K/V head (backward_v7)
+        "backward16_dq_pairs": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
+                                *common),
+        "backward16_dkv_pairs": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
+                                 int32[:, :, ::1], *common),
         "combine": (a3, a2, a3, a2, float32),
         "row_dot": (a3, a3, a2),
         "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),

@@ -383,22 +383,34 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
     online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
 
 
+DOT_ROWS = THREADS // 32  # rows of a row_dot16 block: a warp each
+
+
 def _row_dot16(unpack):
     """row_dot16 for one 16-bit kind (its pair-widening intrinsic)."""
 
     @cuda.jit
     def row_dot16(do, o, delta):
         """D_i = rowsum(dO_i o O_i) in float32 from 16-bit pairs (BH, N,
-        d_v / 2); one thread per row: the backward's one preparation."""
+        d_v / 2): the backward's one preparation. A warp per row, blocks
+        of DOT_ROWS rows: lane x reads pairs x, x + 32, ..., so each load
+        of the warp is one contiguous 128-byte run, and the lanes' sums
+        meet by shuffles."""
         b = cuda.blockIdx.y
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i < do.shape[1]:
+        lane = cuda.threadIdx.x % 32
+        i = cuda.blockIdx.x * DOT_ROWS + cuda.threadIdx.x // 32
+        if i < do.shape[1]:  # the whole warp or none of it
             acc = F0
-            for x in range(do.shape[2]):
+            for x in range(lane, do.shape[2], 32):
                 a0, a1 = unpack(do[b, i, x])
                 c0, c1 = unpack(o[b, i, x])
                 acc += a0 * c0 + a1 * c1
-            delta[b, i] = acc
+            width = 16
+            while width > 0:
+                acc += cuda.shfl_xor_sync(FULL_MASK, acc, width)
+                width //= 2
+            if lane == 0:
+                delta[b, i] = acc
 
     return row_dot16
 
