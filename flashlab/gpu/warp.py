@@ -162,6 +162,59 @@ def quad_sum(x):
 
 
 @inline
+def allowed_range(x, keys_in_rows, nq, nk, rules, kv):
+    """(lo, hi): the columns that row x may pair with, lo..hi inclusive
+    (hi < lo: none), without a mask array. Every index rule keeps an
+    interval (masks.pair_allowed): x is a query and the columns keys, or
+    x is a key and the columns queries where keys_in_rows. kv is the
+    batch element's number of valid keys."""
+    if keys_in_rows:  # key x; queries i with pair_allowed(i, x)
+        lo, hi = 0, nq - 1
+        if x >= nk or x >= kv:
+            hi = -1
+        if rules.causal:  # x <= i + offset
+            lo = max(lo, x - rules.offset)
+        if rules.left >= 0:  # x >= i + offset - left
+            hi = min(hi, x - rules.offset + rules.left)
+        if rules.right >= 0:  # x <= i + offset + right
+            lo = max(lo, x - rules.offset - rules.right)
+        return lo, hi
+    diag = x + rules.offset
+    lo, hi = 0, min(nk, kv) - 1
+    if x >= nq:
+        hi = -1
+    if rules.causal:
+        hi = min(hi, diag)
+    if rules.left >= 0:
+        lo = max(lo, diag - rules.left)
+    if rules.right >= 0:
+        hi = min(hi, diag + rules.right)
+    return lo, hi
+
+
+@inline
+def columns_below(x, base, tiles):
+    """How many of a lane's 2 tiles columns base + 8 n + e (n < tiles,
+    e < 2) lie below column x."""
+    d = x - base
+    if d <= 0:
+        return 0
+    n = d // 8
+    return min(2 * n + min(d - 8 * n, 2), 2 * tiles)
+
+
+@inline
+def spread_pairs(run):
+    """Bits 2 n, 2 n + 1 of run (32 bits) moved to 4 n, 4 n + 1: a lane's
+    run of columns k = 2 n + e to the places of a C fragment's elements."""
+    x = int64(run)
+    x = (x | (x << 16)) & int64(0x0000FFFF0000FFFF)
+    x = (x | (x << 8)) & int64(0x00FF00FF00FF00FF)
+    x = (x | (x << 4)) & int64(0x0F0F0F0F0F0F0F0F)
+    return (x | (x << 2)) & int64(0x3333333333333333)
+
+
+@inline
 def allowed_bits_of(b, r, c0, nq, nk, rules, kv_len, mask, tiles,
                     keys_in_rows):
     """Bit 4 n + e set: element e of C n-tile n is an allowed pair. The
@@ -169,11 +222,29 @@ def allowed_bits_of(b, r, c0, nq, nk, rules, kv_len, mask, tiles,
     rows are queries, or keys where keys_in_rows (the backward's
     transposed tiles).
 
-    A loop this large may stay a loop; returning bits instead of writing
-    a fragment array keeps the fragments in registers whatever it does.
+    Without a mask array each row's allowed columns are one interval
+    (`allowed_range`), so a half's bits are one run, made by a few integer
+    steps instead of a test per element: that matters in the diagonal
+    tiles of a causal mask. With one, a loop this large may stay a loop;
+    returning bits instead of writing a fragment array keeps the
+    fragments in registers whatever it does.
     """
     t = cuda.threadIdx.x % 4
     bits = int64(0)
+    if not rules.use_mask:
+        kv = kv_len[b]
+        base = c0 + 2 * t  # the lane's columns: base + 8 n + e
+        for h in range(2):
+            lo, hi = allowed_range(r + 8 * h, keys_in_rows, nq, nk, rules,
+                                   kv)
+            # the columns in order are k = 2 n + e: those in lo..hi are a
+            # run k0 <= k < k1, spread from pairs to their places 4 n + e
+            k0 = columns_below(lo, base, tiles)
+            k1 = columns_below(hi + 1, base, tiles)
+            if k1 > k0:
+                run = ((int64(1) << k1) - 1) ^ ((int64(1) << k0) - 1)
+                bits |= spread_pairs(run) << (2 * h)
+        return bits
     for n in range(tiles):
         for e in range(4):
             row, col = r + 8 * (e >> 1), c0 + 8 * n + 2 * t + (e & 1)
