@@ -148,6 +148,40 @@ def swizzle_step(rows, chunks, per_row):
     return (rows * per_row + chunks - chunks % 8) * 16
 
 
+def columns_below(x, base, tiles):
+    """How many of a lane's columns in a row of C fragments lie below
+    column x: its columns are base + 8 n + e (n-tile n < tiles, element
+    e < 2; base = the tile's first column + 2 (lane % 4)), in the order
+    k = 2 n + e."""
+    d = x - base
+    if d <= 0:
+        return 0
+    n = d // 8
+    return min(2 * n + min(d - 8 * n, 2), 2 * tiles)
+
+
+def spread_pairs(run):
+    """Bits 2 n, 2 n + 1 of run (32 bits) moved to 4 n, 4 n + 1: a lane's
+    columns k = 2 n + e to the places 4 n + e of its C fragments'
+    elements (the row-half's two are 4 n + 2 h + e)."""
+    x = run
+    x = (x | (x << 16)) & 0x0000FFFF0000FFFF
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0F
+    return (x | (x << 2)) & 0x3333333333333333
+
+
+def fragment_run(lo, hi, base, tiles):
+    """The bits (places 4 n + e) of a lane's C-fragment half whose columns
+    base + 8 n + e lie in lo..hi: one run k0 <= k < k1 of its columns,
+    spread to their places."""
+    k0, k1 = columns_below(lo, base, tiles), columns_below(hi + 1, base,
+                                                            tiles)
+    if k1 <= k0:
+        return 0
+    return spread_pairs(((1 << k1) - 1) ^ ((1 << k0) - 1))
+
+
 def a_from_c(r):
     """(n-tile, element) of S's C fragments that A register r packs.
 

@@ -175,6 +175,35 @@ def tile_full(i0, i1, j0, j1, r, kv_len):
     return j1 <= kv_len
 
 
+def allowed_range(x, keys_in_rows, nq, nk, r, kv_len):
+    """(lo, hi): the columns row x may pair with, lo..hi inclusive (hi <
+    lo: none). Every index rule keeps an interval (pair_allowed), so the
+    pairs a row allows are one run: x is a query and the columns keys,
+    or, where keys_in_rows, x is a key and the columns queries."""
+    if keys_in_rows:  # key x; queries i with pair_allowed(i, x)
+        lo, hi = 0, nq - 1
+        if x >= nk or x >= kv_len:
+            hi = -1
+        if r.causal:  # x <= i + offset
+            lo = max(lo, x - r.offset)
+        if r.left >= 0:  # x >= i + offset - left
+            hi = min(hi, x - r.offset + r.left)
+        if r.right >= 0:  # x <= i + offset + right
+            lo = max(lo, x - r.offset - r.right)
+        return lo, hi
+    diag = x + r.offset
+    lo, hi = 0, min(nk, kv_len) - 1
+    if x >= nq:
+        hi = -1
+    if r.causal:
+        hi = min(hi, diag)
+    if r.left >= 0:
+        lo = max(lo, diag - r.left)
+    if r.right >= 0:
+        hi = min(hi, diag + r.right)
+    return lo, hi
+
+
 def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
           align=None):
     """Validate the masking arguments of an attention call into `Rules`."""

@@ -100,3 +100,40 @@ def test_spread_pairs_places_each_pair():
         want = sum(1 << (4 * (k // 2) + k % 2) for k in range(32)
                    if run >> k & 1)
         assert int(np.uint64(got.view(np.uint64))) == want, hex(run)
+
+
+def test_fragment_run_is_one_test_per_element(rng):
+    # the kernel's run arithmetic (columns_below, spread_pairs) against
+    # the plain loop, for lanes of 8- and 16-n-tile rows
+    from flashlab import fragments
+
+    for _ in range(3000):
+        tiles = int(rng.choice([4, 8, 16]))
+        base = int(rng.integers(-40, 300))
+        lo, hi = (int(x) for x in rng.integers(-60, 400, 2))
+        want = sum(1 << (4 * n + e) for n in range(tiles) for e in (0, 1)
+                   if lo <= base + 8 * n + e <= hi)
+        assert fragments.fragment_run(lo, hi, base, tiles) == want
+
+
+def test_allowed_range_is_the_rows_allowed_columns(rng):
+    # masks.allowed_range against pair_allowed over every column, rows as
+    # queries and as keys, for random index rules (either alignment's
+    # offset, windows open or bounded on each side, padded keys)
+    for _ in range(60):
+        nq, nk = (int(x) for x in rng.integers(1, 50, 2))
+        kv = int(rng.integers(0, nk + 2))
+        left, right = (int(x) if x >= 0 else -1
+                       for x in rng.integers(-3, 20, 2))
+        r = masks.Index(causal=bool(rng.integers(0, 2)),
+                        offset=int(rng.integers(-nq, nk + 1)), left=left,
+                        right=right)
+        for keys_in_rows in (False, True):
+            rows, cols = (nk, nq) if keys_in_rows else (nq, nk)
+            for x in range(rows + 2):
+                lo, hi = masks.allowed_range(x, keys_in_rows, nq, nk, r, kv)
+                for c in range(-1, cols + 2):
+                    i, j = (c, x) if keys_in_rows else (x, c)
+                    ok = (0 <= i < nq and 0 <= j < nk
+                          and masks.pair_allowed(i, j, r, kv))
+                    assert ok == (lo <= c <= hi), (r, keys_in_rows, x, c)

@@ -393,3 +393,85 @@ register("e4m3_key_order", Exercise(
       "key a column holds", _key_order_inverse),
      ("the second pair comes from the next n-tile of S, 8 keys on, not "
       "4", _key_order_four_apart))))
+
+# ------------------------------------------------------- fragment_run
+
+
+def _cases_fragment_run(rng):
+    tiles = 16  # a 128-key tile of S, as v8's at d = 128
+    t = int(rng.integers(0, 4))
+    base = 2 * t  # the lane's first column in a tile starting at key 0
+    row = int(rng.integers(0, 128))
+    lo, hi = sorted(int(x) for x in rng.integers(-20, 150, 2))
+    cases = (
+        ("every key allowed", (-5, 1000, base, tiles)),
+        ("no key allowed (hi < lo)", (40, 39, base, tiles)),
+        (f"a causal diagonal: keys up to row {row}", (0, row, base, tiles)),
+        ("a window starting inside a pair", (2 * t + 9, 2 * t + 60, base,
+                                             tiles)),
+        ("the run ends on the pair's first column",
+         (0, 2 * t + 8 * 5, base, tiles)),
+        ("a tile of 8 n-tiles (d = 64's S)", (3, 41, base, 8)),
+        ("a random interval", (lo, hi, base, tiles)))
+    return [Case(name, args, fragments.fragment_run(*args))
+            for name, args in cases]
+
+
+def fragment_run(lo, hi, base, tiles):
+    """Chapter 12: the bits of a lane's C-fragment row-half that a row
+    keeps when its allowed keys are lo..hi (the mask of a diagonal tile).
+
+    The lane's columns in that row are base + 8 n + e for n-tile n <
+    tiles and element e < 2; the bit of (n, e) is 4 n + e, as
+    warp.allowed_bits_of numbers the fragment's elements (the row's other
+    half sits 2 places up). The kernel makes the same bits as one run
+    (fragments.fragment_run); one test per element is the plain answer.
+    """
+    bits = 0
+    for n in range(tiles):
+        for e in range(2):
+            if lo <= base + 8 * n + e <= hi:
+                bits |= 1 << (4 * n + e)
+    return bits
+
+
+def _run_consecutive(lo, hi, base, tiles):
+    # the lane's columns taken as consecutive keys
+    bits = 0
+    for k in range(2 * tiles):
+        if lo <= base + k <= hi:
+            bits |= 1 << (4 * (k // 2) + k % 2)
+    return bits
+
+
+def _run_unspread(lo, hi, base, tiles):
+    # the run's bits left at 2 n + e
+    bits = 0
+    for n in range(tiles):
+        for e in range(2):
+            if lo <= base + 8 * n + e <= hi:
+                bits |= 1 << (2 * n + e)
+    return bits
+
+
+def _run_hi_excluded(lo, hi, base, tiles):
+    bits = 0
+    for n in range(tiles):
+        for e in range(2):
+            if lo <= base + 8 * n + e < hi:
+                bits |= 1 << (4 * n + e)
+    return bits
+
+
+register("fragment_run", Exercise(
+    12, "fragment_run(lo, hi, base, tiles) -> int: the bits 4 n + e of a "
+    "lane's C-fragment row-half whose columns base + 8 n + e (n < tiles, "
+    "e < 2) lie in the allowed keys lo..hi",
+    _cases_fragment_run, fragment_run,
+    (("a lane's two columns of an n-tile are a pair, and the next pair is "
+      "8 columns on: the other lanes of its quad hold the 6 between",
+      _run_consecutive),
+     ("each n-tile has 4 elements (2 rows x 2 columns): the pair of "
+      "n-tile n goes to bits 4 n and 4 n + 1, not 2 n and 2 n + 1",
+      _run_unspread),
+     ("lo..hi is inclusive: key hi is allowed", _run_hi_excluded))))

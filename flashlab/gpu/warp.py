@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from flashlab import fragments
+from flashlab import fragments, masks
 from flashlab.gpu.device import (
     F0,
     NAN,
@@ -59,6 +59,11 @@ ldmatrix_b_trans = cuda.jit(device=True)(fragments.ldmatrix_b_trans)
 swizzle_base = cuda.jit(device=True)(fragments.swizzle_base)
 swizzle_step = cuda.jit(device=True)(fragments.swizzle_step)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
+# a row's allowed columns as one interval, and a lane's run of them as
+# C-fragment bits (allowed_bits_of)
+allowed_range = inline(masks.allowed_range)
+columns_below = inline(fragments.columns_below)
+spread_pairs = inline(fragments.spread_pairs)
 
 
 @inline
@@ -162,59 +167,6 @@ def quad_sum(x):
 
 
 @inline
-def allowed_range(x, keys_in_rows, nq, nk, rules, kv):
-    """(lo, hi): the columns that row x may pair with, lo..hi inclusive
-    (hi < lo: none), without a mask array. Every index rule keeps an
-    interval (masks.pair_allowed): x is a query and the columns keys, or
-    x is a key and the columns queries where keys_in_rows. kv is the
-    batch element's number of valid keys."""
-    if keys_in_rows:  # key x; queries i with pair_allowed(i, x)
-        lo, hi = 0, nq - 1
-        if x >= nk or x >= kv:
-            hi = -1
-        if rules.causal:  # x <= i + offset
-            lo = max(lo, x - rules.offset)
-        if rules.left >= 0:  # x >= i + offset - left
-            hi = min(hi, x - rules.offset + rules.left)
-        if rules.right >= 0:  # x <= i + offset + right
-            lo = max(lo, x - rules.offset - rules.right)
-        return lo, hi
-    diag = x + rules.offset
-    lo, hi = 0, min(nk, kv) - 1
-    if x >= nq:
-        hi = -1
-    if rules.causal:
-        hi = min(hi, diag)
-    if rules.left >= 0:
-        lo = max(lo, diag - rules.left)
-    if rules.right >= 0:
-        hi = min(hi, diag + rules.right)
-    return lo, hi
-
-
-@inline
-def columns_below(x, base, tiles):
-    """How many of a lane's 2 tiles columns base + 8 n + e (n < tiles,
-    e < 2) lie below column x."""
-    d = x - base
-    if d <= 0:
-        return 0
-    n = d // 8
-    return min(2 * n + min(d - 8 * n, 2), 2 * tiles)
-
-
-@inline
-def spread_pairs(run):
-    """Bits 2 n, 2 n + 1 of run (32 bits) moved to 4 n, 4 n + 1: a lane's
-    run of columns k = 2 n + e to the places of a C fragment's elements."""
-    x = int64(run)
-    x = (x | (x << 16)) & int64(0x0000FFFF0000FFFF)
-    x = (x | (x << 8)) & int64(0x00FF00FF00FF00FF)
-    x = (x | (x << 4)) & int64(0x0F0F0F0F0F0F0F0F)
-    return (x | (x << 2)) & int64(0x3333333333333333)
-
-
-@inline
 def allowed_bits_of(b, r, c0, nq, nk, rules, kv_len, mask, tiles,
                     keys_in_rows):
     """Bit 4 n + e set: element e of C n-tile n is an allowed pair. The
@@ -239,6 +191,7 @@ def allowed_bits_of(b, r, c0, nq, nk, rules, kv_len, mask, tiles,
                                    kv)
             # the columns in order are k = 2 n + e: those in lo..hi are a
             # run k0 <= k < k1, spread from pairs to their places 4 n + e
+            # (fragments.fragment_run)
             k0 = columns_below(lo, base, tiles)
             k1 = columns_below(hi + 1, base, tiles)
             if k1 > k0:
