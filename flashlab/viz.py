@@ -1142,7 +1142,8 @@ V8_CALLS = {"mbarrier_init": "init", "arrive_expect_tx": "expect",
             "syncthreads": "barrier", "s_issue": "issue S",
             "o_issue": "issue PV", "s_wait": "wait S",
             "s_wait_one": "wait S", "o_wait": "wait PV",
-            "tile_softmax": "softmax", "rescale": "rescale", "to_a": "to_a"}
+            "tile_softmax": "softmax", "plain_softmax": "softmax",
+            "rescale": "rescale", "to_a": "to_a"}
 
 
 def v8_barrier_names():
@@ -1183,11 +1184,12 @@ def v8_program(tiles=4, d=64, d_v=None):
     kernel = next(f for f in ast.walk(make)  # the body the kernel runs
                   if isinstance(f, ast.FunctionDef) and f.name == "run")
     ints = {k: x for k, x in vars(v8).items()
-            if isinstance(x, int) or k in ("BLOCK_K", "BYTES", "K_STEP")}
+            if isinstance(x, int) or k in ("BLOCK_K", "BYTES", "K_STEP",
+                                            "GROUPS", "REGISTERS")}
     names = {**ints, "D": d, "D_V": d_v, "kind": "bf16", "uint32": int,
              "uint64": int, "int32": int, "range": range, "min": min,
-             "max": max}
-    box_rows = (v8.BR, v8.BLOCK_K[d], v8.BLOCK_K[d])
+             "max": max, "block_rows": v8.block_rows, "groups": v8.groups}
+    box_rows = (v8.block_rows(d, d_v), v8.BLOCK_K[d], v8.BLOCK_K[d])
 
     def value(node, ns):
         return eval(compile(ast.Expression(node), "forward_v8", "eval"),
@@ -1249,7 +1251,11 @@ def v8_program(tiles=4, d=64, d_v=None):
             if isinstance(st, ast.Assign):
                 assign(st, ns)
             elif isinstance(st, ast.If):
-                branch = st.body if value(st.test, ns) else st.orelse
+                try:
+                    taken = value(st.test, ns)
+                except Exception:  # a test of device values: the first
+                    taken = True  # branch, a tile with every pair allowed
+                branch = st.body if taken else st.orelse
                 if run(branch, ns, out):
                     return True
             elif isinstance(st, ast.For):
@@ -1274,7 +1280,7 @@ def v8_program(tiles=4, d=64, d_v=None):
 
     roles = {"producer": 0}
     roles.update({f"warpgroup {g}": 128 * (g + 1)
-                  for g in range(v8.GROUPS)})
+                  for g in range(v8.groups(d, d_v))})
     out = {}
     for role, t in roles.items():
         ns = {**names, "t": t, "w": t // 32, "lane": 0, "first": 0,
@@ -1409,12 +1415,13 @@ def v8_figure(spans, handoffs):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    units = ["producer", "TMA", "tensor cores", "warpgroup 0",
-             "warpgroup 1"]
+    units = ["producer", "TMA", "tensor cores"] + sorted(
+        {s.who for s in spans if str(s.who).startswith("warpgroup")})
     y_of = {u: len(units) - 1 - k for k, u in enumerate(units)}
     fig, ax = plt.subplots(figsize=(10, 4.2))
     colors = {("S", 0): "#4c72b0", ("PV", 0): "#8fa8d6",
               ("S", 1): "#c44e52", ("PV", 1): "#e39a9c",
+              ("S", 2): "#8172b2", ("PV", 2): "#b8b0d8",
               "Q": "#dddd88", "K": "#e8b04c", "V": "#f3d49b",
               "softmax": "#55a868", "rescale": "#bbbbbb"}
     boxes = {}  # a tile's TMA boxes (one per 64 columns) as one bar
@@ -1435,7 +1442,7 @@ def v8_figure(spans, handoffs):
                     color="white", edgecolor="#999999", hatch="///",
                     lw=0.5)
             continue
-        color = colors.get((s.what, s.group % 2), colors.get(s.what))
+        color = colors.get((s.what, s.group % 3), colors.get(s.what))
         ax.barh(y, s.end - s.start, left=s.start, height=0.7, color=color,
                 edgecolor="white")
         if s.what != "rescale" and s.end - s.start >= 0.4:

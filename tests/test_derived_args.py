@@ -2,6 +2,8 @@
 forward_v8's tensor maps, made from q, k and v before every launch, so
 its callers pass v5's arguments. No GPU: the driver call is recorded."""
 
+import itertools
+
 import numpy as np
 import pytest
 from test_launch import FakeDeviceArray
@@ -59,15 +61,18 @@ def test_v8_is_registered_with_its_maps_derived():
         v5 = registry.argument_types(registry.get(f"forward_v5_{kind}").args)
         v8 = registry.argument_types(spec.args)
         assert v8[:-1] == v5 and str(v8[-1]) == "array(uint64, 1d, C)"
-        assert spec.derived is not None and spec.max_registers == 168
+        assert spec.derived is not None
+        assert [spec.registers(d, d) for d in (64, 128)] == [128, 168]
         assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
     # registers the producer gives back cover what the consumers take:
-    # setmaxnreg moves the block's own registers (its launch's 168 a
+    # setmaxnreg moves the block's own registers (its launch's cap a
     # thread), so a consumer's increase waits for ever on more
-    assert (forward_v8.PRODUCER_REGISTERS * 128
-            + forward_v8.CONSUMER_REGISTERS * forward_v8.CONSUMERS
-            <= forward_v8.MAX_REGISTERS * forward_v8.THREADS)
-    assert forward_v8.MAX_REGISTERS * forward_v8.THREADS <= 65536
+    for d, d_v in itertools.product(forward_v8.HEAD_DIMS, repeat=2):
+        cap, keep, grow = forward_v8.REGISTERS[forward_v8.groups(d, d_v)]
+        threads = forward_v8.threads(d, d_v)
+        assert cap == forward_v8.max_registers(d, d_v) and cap % 8 == 0
+        assert keep * 128 + grow * (threads - 128) <= cap * threads
+        assert cap * threads <= 65536 < (cap + 8) * threads
     # Q_i, two stages of K and V, the barriers and the alignment fit
     for d in forward_v8.HEAD_DIMS:
         assert forward_v8.shared_bytes(d, d) <= 227 * 1024

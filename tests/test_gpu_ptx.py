@@ -144,7 +144,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
     sig = registry.argument_types(spec.args)
     plain = text.replace(".target sm_90a", ".target sm_90")
     try:
-        ptx.assemble(plain, (9, 0), spec.max_registers)
+        ptx.assemble(plain, (9, 0), spec.registers(d, dv))
         sm90 = True
     except RuntimeError:
         sm90 = False
@@ -152,7 +152,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
     linker = Linker(ObjectCode.from_ptx(text.encode()),
                     options=LinkerOptions(arch="sm_90a", verbose=True,
                                           max_register_count=
-                                          spec.max_registers))
+                                          spec.registers(d, dv)))
     linker.link("cubin")
     out[f"v{version} {kind} {d} {dv}"] = dict(
         relocatable_serialized="serialized" in linker.get_info_log(),
@@ -166,7 +166,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
         abi=launch.code_kinds(launch.param_codes(sig))
         == launch.ptx_params(text), sm90=sm90,
-        **ptx.assemble(text, forward_v7.CC, spec.max_registers))
+        **ptx.assemble(text, forward_v7.CC, spec.registers(d, dv)))
 print(json.dumps(out))
 """
 
@@ -257,4 +257,4 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
             assert r["tma"] >= d // box + d // box + dv // box, (key, r)
             assert r["copies"] == 0 and r["bars"] == 1, (key, r)
             assert r["setmaxnreg"] == 2, (key, r)
-            assert r["regs"] <= forward_v8.MAX_REGISTERS, (key, r)
+            assert r["regs"] <= forward_v8.max_registers(d, dv), (key, r)

@@ -77,7 +77,7 @@ def test_traits_agree_with_the_registry(spec):
         getattr(built, "py_func", built)).parameters)
     for d, d_v in dims:
         tr = traits.traits(spec.name, d, d_v)
-        assert tr.max_registers == spec.max_registers
+        assert tr.max_registers == spec.registers(d, d_v)
         assert tr.dynamic_shared == (spec.shared(d, d_v) if spec.shared
                                      else 0)
         # what it writes are parameters of the kernel, in that order

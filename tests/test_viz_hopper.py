@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from flashlab import fragments, measured, viz
+from flashlab.gpu import forward_v8
 
 matplotlib.use("Agg")
 
@@ -104,7 +105,9 @@ def test_v8_program_reads_the_kernels_stages_and_parities(d):
     tiles = 6
     program = viz.v8_program(tiles, d)
     names = viz.v8_barrier_names()
-    assert set(program) == {"producer", "warpgroup 0", "warpgroup 1"}
+    groups = forward_v8.groups(d, d)  # consumer warpgroups
+    assert set(program) == {"producer"} | {f"warpgroup {g}"
+                                           for g in range(groups)}
     for steps in program.values():  # one block barrier, before any wait
         kinds = [s.what for s in steps]
         assert kinds.count("barrier") == 1
@@ -112,7 +115,7 @@ def test_v8_program_reads_the_kernels_stages_and_parities(d):
     producer = program["producer"]
     inits = {names[s.bar]: s.value for s in producer if s.what == "init"}
     assert len(inits) == 9 and inits["Q full"] == inits["K full 1"] == 1
-    assert inits["V empty 0"] == forward_v8.CONSUMERS
+    assert inits["V empty 0"] == 128 * groups  # every consumer thread
     panels = d // forward_v8.PANEL
     for tensor, n in (("Q", 1), ("K", tiles), ("V", tiles)):
         loads = [s for s in producer if s.what == "load"
@@ -156,8 +159,9 @@ def test_v8_timeline_keeps_the_handoffs(costs):
             assert b.start >= a.end - 1e-12
     products = {(s.what, s.group, s.tile): s for s in spans
                 if s.who == "tensor cores"}
-    assert len(products) == 2 * 2 * tiles
-    for g in range(2):
+    groups = forward_v8.groups(64, 64)  # v8_program's head dims
+    assert len(products) == 2 * groups * tiles
+    for g in range(groups):
         for j in range(tiles):
             # a product starts after its tiles landed ...
             assert products["S", g, j].start >= copies["K", j].end - 1e-12

@@ -43,7 +43,7 @@ def load(name, d, d_v, cc=None):
             f"newer; this device has {cc[:2]}")
     cubin, entry = launch.cached_module(
         name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
-        spec.max_registers)
+        spec.registers(d, d_v))
     loaded = launch.load(cubin, entry, name, signature(name))
     dynamic = traits.traits(name, d, d_v).dynamic_shared
     if dynamic:

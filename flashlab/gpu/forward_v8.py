@@ -34,7 +34,6 @@ from flashlab.gpu import tma
 from flashlab.gpu.device import F0, NEG_INF, inline
 from flashlab.gpu.forward_v7 import (
     ALIGN,
-    BLOCK_K,
     CC,
     HEAD_DIMS,
     descriptor_128b,
@@ -50,7 +49,9 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     make_store_rows16,
+    plain_softmax,
     rescale,
+    tile_is_plain,
     tile_range,
     tile_softmax,
 )
@@ -58,13 +59,17 @@ from flashlab.gpu.wgmma import K_STEP, mma_rs, mma_ss, wait_for
 
 __all__ = ["CC", "HEAD_DIMS", "make", "make_e4m3", "shape", "shared_bytes"]
 
-GROUPS = 2  # consumer warpgroups per block
-CONSUMERS = 128 * GROUPS  # consumer threads
-THREADS = CONSUMERS + 128  # and the producer warpgroup
-BR = 64 * GROUPS  # query rows per block: 64 per consumer warpgroup
-MAX_REGISTERS = 168  # 65536 registers / 384 threads, a multiple of 8
-PRODUCER_REGISTERS = 24  # what setmaxnreg leaves the producer
-CONSUMER_REGISTERS = 240  # and gives each consumer thread
+# consumer warpgroups per block, by max(d, d_v): at 64 a tile's products
+# take half as long as at 128, and a third warpgroup gives each scheduler
+# more softmax to run beside them (FlashAttention-3's 192-row blocks)
+GROUPS = {64: 3, 128: 2}
+# by consumer warpgroups: (the cap per thread the kernel is built with,
+# 65536 registers over the block's threads, a multiple of 8; what
+# setmaxnreg leaves the producer; and gives each consumer thread)
+REGISTERS = {2: (168, 24, 240), 3: (128, 32, 160)}
+# keys per K/V tile, by d: at d = 64, S (Bc / 2 registers a thread), P
+# and O must fit the 160 registers of three consumer warpgroups
+BLOCK_K = {64: 128, 128: 128}
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
 # mbarrier numbers: Q full, K full (2 stages), V full, K empty, V empty
 Q_FULL, K_FULL, V_FULL, K_EMPTY, V_EMPTY = 0, 1, 3, 5, 7
@@ -73,22 +78,41 @@ PANEL = SWIZZLE_BYTES // 2  # its columns of 16-bit values
 BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
 E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
 
-release = tma.release_registers[PRODUCER_REGISTERS]
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)
-take = tma.take_registers[CONSUMER_REGISTERS]
+
+
+def groups(d, d_v):
+    """Consumer warpgroups per block at head dims d, d_v."""
+    return GROUPS[max(d, d_v)]
+
+
+def block_rows(d, d_v):
+    """Br: query rows per block, 64 per consumer warpgroup."""
+    return 64 * groups(d, d_v)
+
+
+def threads(d, d_v):
+    """Threads per block: the consumer warpgroups and the producer's."""
+    return 128 * (groups(d, d_v) + 1)
+
+
+def max_registers(d, d_v):
+    """The registers per thread the kernel is built with at head dims d,
+    d_v (setmaxnreg moves them from there)."""
+    return REGISTERS[groups(d, d_v)][0]
 
 
 def shape(d, d_v):
     """(Br, Bc, threads per block) for head dims d, d_v."""
-    return BR, BLOCK_K[d], THREADS
+    return block_rows(d, d_v), BLOCK_K[d], threads(d, d_v)
 
 
 def shared_bytes(d, d_v, size=2):
     """Dynamic shared memory per block: the barriers, Q_i and two stages
     of K_j, V_j (values of `size` bytes), and room to align them to 1024
     bytes."""
-    bc = BLOCK_K[d]
-    return BARRIERS + size * (BR * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
+    br, bc = block_rows(d, d_v), BLOCK_K[d]
+    return BARRIERS + size * (br * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
 
 
 def make_a8(kp_steps):
@@ -117,7 +141,11 @@ def make(D, D_V, kind="bf16"):
     or e4m3: see make_e4m3)."""
     size, eight = BYTES[kind], kind == "e4m3"
     pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}.get(kind, pack_bf16x2)
-    BC = BLOCK_K[D]
+    BR, BC = block_rows(D, D_V), BLOCK_K[D]
+    CONSUMERS = 128 * groups(D, D_V)  # consumer threads
+    _, keep, grow = REGISTERS[groups(D, D_V)]
+    release = tma.release_registers[keep]  # the producer's setmaxnreg
+    take = tma.take_registers[grow]  # and the consumers'
     KD, KP = D // K_STEP[kind], BC // K_STEP[kind]  # k-steps of S, P V
     NS, NO = BC // 8, D_V // 8  # 8-column groups of S and of O
     Q_B, K_B, V_B = (size * BR * D, size * BC * D,
@@ -246,10 +274,15 @@ def make(D, D_V, kind="bf16"):
             o_issue(of, pf, v_desc + v_next * uint64(ps))  # += P V_{j-1}
             s_wait_one(sf)
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
-            # the softmax of tile jt while P V of tile jt - 1 runs
-            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         jt * BC, nq, nk, rules, kv_len, mask, kv)
-            o_wait(of, pf)
+            if tile_is_plain(i0, i1, jt * BC, BC, nk, rules, kv):
+                # the softmax of tile jt while P V of tile jt - 1 runs
+                plain_softmax(sf, m, l, al, seen, NS, b, row, jt * BC,
+                              rules)
+                o_wait(of, pf)
+            else:  # a mask or dropout needs registers that P holds:
+                o_wait(of, pf)  # P V first (a few tiles of a causal row)
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                             jt * BC, nq, nk, rules, kv_len, mask, kv)
             tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
             rescale(of, al, NO)
             to_a(pf, sf)
@@ -338,8 +371,8 @@ def tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v):
     """The three tensor maps (48 uint64 words) of (bh, nq, d) q at q_at
     and (bh_kv, nk, d / d_v) k and v: Q_i boxes of Br rows, K_j and V_j
     boxes of Bc rows, 64 columns each."""
-    bc = BLOCK_K[d]
-    return np.concatenate([encode(q_at, nq, bh, d, BR),
+    br, bc = block_rows(d, d_v), BLOCK_K[d]
+    return np.concatenate([encode(q_at, nq, bh, d, br),
                            encode(k_at, nk, bh_kv, d, bc),
                            encode(v_at, nk, bh_kv, d_v, bc)])
 
@@ -347,8 +380,8 @@ def tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v):
 def tensor_maps_e4m3(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, d_v, keys):
     """tensor_maps of e4m3 q, k and V^T (bh_kv, d_v, keys) at v_at: boxes
     of 128 bytes of Q_i's and K_j's rows, and of V^T's key columns."""
-    bc = BLOCK_K[d]
-    return np.concatenate([encode(q_at, nq, bh, d, BR, 1),
+    br, bc = block_rows(d, d_v), BLOCK_K[d]
+    return np.concatenate([encode(q_at, nq, bh, d, br, 1),
                            encode(k_at, nk, bh_kv, d, bc, 1),
                            encode(v_at, d_v, bh_kv, keys, d_v, 1)])
 

@@ -47,7 +47,9 @@ class Kernel(NamedTuple):
     head_dims: tuple  # values d and d_v may take
     min_cc: tuple  # the oldest compute capability that runs it
     threads: int  # per block (None: set by the head dims, see traits)
-    max_registers: int = None  # numba's cap, kept by the driver load
+    # the assembler's cap per thread, kept by the driver load: a number,
+    # or a function of (d, d_v) where it follows the head dims
+    max_registers: object = None
     version: int = None  # forward version number, for forwards
     max_dim: int = 128  # max(d, d_v) it is built for
     helper: bool = False  # an element-wise step around the attention
@@ -63,6 +65,12 @@ class Kernel(NamedTuple):
         cc = tuple(cc)[:2]
         return cc >= self.min_cc and (self.max_cc is None
                                       or cc <= self.max_cc)
+
+    def registers(self, d, d_v):
+        """The register cap per thread at head dims d, d_v (None: no
+        cap)."""
+        cap = self.max_registers
+        return cap(d, d_v) if callable(cap) else cap
 
     def takes(self, d, d_v):
         """Whether it is built for head dims d, d_v."""
@@ -108,15 +116,16 @@ KERNELS = (
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     *(Kernel(f"forward_v8_{kind}",
              functools.partial(forward_v8.make, kind=kind), "forward16_tma",
-             (dtype,), TENSOR_DIMS, (9, 0), forward_v8.THREADS,
-             max_registers=forward_v8.MAX_REGISTERS, version=8,
+             (dtype,), TENSOR_DIMS, (9, 0), None,
+             max_registers=forward_v8.max_registers, version=8,
              max_cc=(9, 0), shared=forward_v8.shared_bytes,
              derived=forward_v8.derived)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # e4m3 inputs, a bf16 output: flashlab.gpu.attention_fp8
     Kernel("forward_v8_e4m3", forward_v8.make_e4m3, "forward8_tma",
-           (E4M3,), forward_v8.E4M3_DIMS, (9, 0), forward_v8.THREADS,
-           max_registers=forward_v8.MAX_REGISTERS, version=8,
+           (E4M3,), forward_v8.E4M3_DIMS, (9, 0),
+           forward_v8.threads(128, 128),
+           max_registers=forward_v8.max_registers, version=8,
            max_cc=(9, 0),
            shared=functools.partial(forward_v8.shared_bytes, size=1),
            derived=forward_v8.derived_e4m3),

@@ -88,4 +88,4 @@ load_3d = _statement(
 release_registers = {n: _statement(
     f"setmaxnreg.dec.sync.aligned.u32 {n};", ()) for n in (24, 32, 40)}
 take_registers = {n: _statement(
-    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (232, 240)}
+    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (160, 232, 240)}

@@ -111,8 +111,8 @@ def _v6(m, d, d_v):
 
 def _wgmma(m, d, d_v):
     """Warpgroups of 64 rows on wgmma; all tiles in dynamic SRAM."""
-    bc = m.BLOCK_K[d]
-    return _mma(m.BR, bc, m.THREADS, d // 16, bc // 8, d_v // 8, 0)
+    br, bc, threads = m.shape(d, d_v)
+    return _mma(br, bc, threads, d // 16, bc // 8, d_v // 8, 0)
 
 
 def _wgmma8(m, d, d_v):
@@ -227,7 +227,7 @@ def traits(name, d, d_v):
     return Traits(name=name, d=d, d_v=d_v, warps=layout["threads"] // 32,
                   dynamic_shared=0 if spec.shared is None
                   else spec.shared(d, d_v),
-                  max_registers=spec.max_registers,
+                  max_registers=spec.registers(d, d_v),
                   returns=RETURNS[spec.args], **layout)
 
 

@@ -320,8 +320,7 @@ def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
     folded into the FMA's constant (`WIDE` says how exact that is and
     what happens beyond it). The maximum and the sum run as CHAINS
     independent chains, merged at the end: one long chain would make
-    every step wait for the one before. The dropout weight multiplies P
-    after l has counted it, as in `tiled`.
+    every step wait for the one before. Dropout is `drop`'s, after it.
     """
     # tau > 0 keeps the order of scores, so the maximum of raw scores
     # gives the scaled one; otherwise tile_softmax has scaled them
@@ -362,6 +361,12 @@ def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
                 part[c] += part[c + width]
             width //= 2
         l[h] = al[h] * l[h] + part[0]
+
+
+@inline
+def drop(sf, b, i, j0, rules, tiles):
+    """The dropout weights on P (0 or 1 / (1 - p)), after l has counted
+    P undropped, as in `tiled`."""
     if rules.use_dropout:
         gone = dropped_bits(b, i, j0, rules, tiles)
         for n in range(tiles):
@@ -394,16 +399,41 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
     and leaves P in sf. kv is kv_len[b], read once by the caller: a load
     here would sit between each S and its softmax.
     """
-    if not rules.scale > F0:  # tau <= 0 reorders scores: scale first
-        for n in range(tiles):
-            for x in range(4):
-                sf[n, x] *= rules.scale
+    scale_first(sf, tiles, rules)
     bits = int64(-1)  # every pair of a full tile is allowed
     if rules.use_mask or j0 + bc > nk or not tile_full(
             i0, i1, j0, j0 + bc, rules, kv):
         bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                            tiles)
     note_allowed(seen, bits, tiles)
+    online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
+    drop(sf, b, row, j0, rules, tiles)
+
+
+@inline
+def scale_first(sf, tiles, rules):
+    """S times tau where tau <= 0 (it reorders the scores, so the online
+    softmax cannot fold it into its exponents)."""
+    if not rules.scale > F0:
+        for n in range(tiles):
+            for x in range(4):
+                sf[n, x] *= rules.scale
+
+
+@inline
+def tile_is_plain(i0, i1, j0, bc, nk, rules, kv):
+    """Whether a tile of queries i0..i1 and keys j0..j0 + bc needs
+    neither a mask nor dropout: every pair allowed, no mask array."""
+    return (not rules.use_mask and not rules.use_dropout and j0 + bc <= nk
+            and tile_full(i0, i1, j0, j0 + bc, rules, kv))
+
+
+@inline
+def plain_softmax(sf, m, l, al, seen, tiles, b, row, j0, rules):
+    """tile_softmax of a tile that tile_is_plain: no mask, no dropout, so
+    none of their registers (v8 runs it while P V holds its operands)."""
+    scale_first(sf, tiles, rules)
+    note_allowed(seen, int64(-1), tiles)
     online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
 
 
