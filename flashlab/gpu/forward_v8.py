@@ -144,6 +144,9 @@ def make(D, D_V, kind="bf16"):
     BR, BC = block_rows(D, D_V), BLOCK_K[D]
     CONSUMERS = 128 * groups(D, D_V)  # consumer threads
     _, keep, grow = REGISTERS[groups(D, D_V)]
+    # three warpgroups' 160 registers hold S, P and O but not a mask's or
+    # dropout's work beside them: such tiles wait for P V first
+    TIGHT = groups(D, D_V) == 3
     release = tma.release_registers[keep]  # the producer's setmaxnreg
     take = tma.take_registers[grow]  # and the consumers'
     KD, KP = D // K_STEP[kind], BC // K_STEP[kind]  # k-steps of S, P V
@@ -274,8 +277,12 @@ def make(D, D_V, kind="bf16"):
             o_issue(of, pf, v_desc + v_next * uint64(ps))  # += P V_{j-1}
             s_wait_one(sf)
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
-            if tile_is_plain(i0, i1, jt * BC, BC, nk, rules, kv):
-                # the softmax of tile jt while P V of tile jt - 1 runs
+            # the softmax of tile jt while P V of tile jt - 1 runs
+            if not TIGHT:
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                             jt * BC, nq, nk, rules, kv_len, mask, kv)
+                o_wait(of, pf)
+            elif tile_is_plain(i0, i1, jt * BC, BC, nk, rules, kv):
                 plain_softmax(sf, m, l, al, seen, NS, b, row, jt * BC,
                               rules)
                 o_wait(of, pf)
