@@ -1,17 +1,20 @@
 """Forward v8: v7 with FlashAttention-3's warp specialization.
 
-bf16 or float16, sm_90a only. A block is three warpgroups. The first is
-the producer: one of its threads moves Q_i and every K_j, V_j tile from
-global to shared memory with TMA (cp.async.bulk.tensor, 128-byte
-swizzled as v7's tiles), two stages per tensor, and hands each over on
-an mbarrier that counts its bytes (flashlab.gpu.tma). The other two are
-v7's consumer warpgroups, 64 query rows each, running v7's pipeline (S
-of the next tile and P V of this one in flight, the softmax under P V)
-but issuing no copies: they wait for a tile's "full" barrier and arrive
-on its "empty" one once their products have read it. No block barrier
-is left in the loop, so neither warpgroup waits for the other, and
-`setmaxnreg` gives the producer's registers to the consumers (24 and
-240 a thread where the kernel is built with 168).
+bf16 or float16, sm_90a only. A block is one producer warpgroup and
+two consumer warpgroups (three where d = d_v = 64, `groups`). One of the
+producer's threads moves Q_i and every K_j, V_j tile from global to
+shared memory with TMA (cp.async.bulk.tensor, 128-byte swizzled as v7's
+tiles), two stages per tensor, and hands each over on an mbarrier that
+counts its bytes (flashlab.gpu.tma). The consumers are v7's warpgroups,
+64 query rows each, running v7's pipeline (S of the next tile and P V of
+this one in flight, the softmax under P V) but issuing no copies: they
+wait for a tile's "full" barrier and arrive on its "empty" one once
+their products have read it. No block barrier is left in the loop, so
+no warpgroup waits for another, and `setmaxnreg` gives the producer's
+registers to the consumers (`REGISTERS`: 24 and 240 a thread where two
+consumers are built with 168; 32 and 160 where three are built with
+128). At 160 a tile that needs a mask or dropout runs its softmax after
+P V, whose operands hold the registers that work needs.
 
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
 them as the last argument; the launch's `derived` update points it at
