@@ -1,0 +1,155 @@
+"""warp.tile_is_plain (on numba's simulator) and warp.plain_softmax (on a
+GPU: its shuffles and ex2 have no simulator form).
+
+forward_v8 with three consumer warpgroups runs the softmax of a plain
+tile (no mask array, no dropout, every pair allowed) by plain_softmax,
+under P V, and every other tile's by tile_softmax after P V. So the two
+must agree exactly on a plain tile, and tile_is_plain must call a tile
+plain exactly when masks.pair_allowed allows all of its pairs."""
+
+import numpy as np
+import pytest
+from numba import cuda, float32, int32
+
+from flashlab import masks
+from flashlab.gpu import _Call, warp
+
+TILES = 16  # n-tiles of 8 keys: v8's 128-key tile
+BC = 8 * TILES
+FULL = dict(scale=None, causal=False, mask=None, window=None,
+            kv_lengths=None, dropout_p=0.0, seed=None, align=None)
+
+
+@cuda.jit
+def _plain(tiles, out, bc, nk, rules, kv_len):
+    # tiles[x] = (b, i0, i1, j0): one thread a tile
+    x = cuda.grid(1)
+    if x < tiles.shape[0]:
+        b, i0, i1, j0 = tiles[x, 0], tiles[x, 1], tiles[x, 2], tiles[x, 3]
+        out[x] = warp.tile_is_plain(i0, i1, j0, bc, nk, rules, kv_len[b])
+
+
+@cuda.jit
+def _softmax(s, state, b, i0, i1, j0, nq, nk, rules, kv_len, mask, plain,
+             out_s, out_state):
+    # one warp: lane 4 g + t holds rows i0 + g and i0 + g + 8 of S
+    lane = cuda.threadIdx.x
+    sf = cuda.local.array((TILES, 4), float32)
+    m = cuda.local.array(2, float32)
+    l = cuda.local.array(2, float32)
+    al = cuda.local.array(2, float32)
+    seen = cuda.local.array(2, int32)
+    for n in range(TILES):
+        for e in range(4):
+            sf[n, e] = s[lane, n, e]
+    for h in range(2):
+        m[h], l[h], al[h] = state[lane, 0, h], state[lane, 1, h], 0
+        seen[h] = int32(state[lane, 2, h])
+    row = i0 + lane // 4
+    if plain:
+        warp.plain_softmax(sf, m, l, al, seen, TILES, b, row, j0, rules)
+    else:
+        warp.tile_softmax(sf, m, l, al, seen, TILES, BC, b, row, i0, i1,
+                          j0, nq, nk, rules, kv_len, mask, kv_len[b])
+    for n in range(TILES):
+        for e in range(4):
+            out_s[lane, n, e] = sf[n, e]
+    for h in range(2):
+        out_state[lane, 0, h] = m[h]
+        out_state[lane, 1, h] = l[h]
+        out_state[lane, 2, h] = al[h]
+        out_state[lane, 3, h] = seen[h]
+
+
+def _rules(rng, nq, nk, opts):
+    """(rules, kv_len, mask, per-head key lengths) of a _Call."""
+    q = rng.standard_normal((1, 2, nq, 16)).astype(np.float32)
+    k = rng.standard_normal((1, 2, nk, 16)).astype(np.float32)
+    rules, kv_len, mask = _Call(q, k, k, FULL | opts).args
+    lengths = np.asarray(kv_len.copy_to_host() if hasattr(
+        kv_len, "copy_to_host") else kv_len)
+    return rules, kv_len, mask, lengths
+
+
+@pytest.mark.parametrize("opts", [
+    dict(), dict(causal=True), dict(causal="bottom_right"),
+    dict(window=(40, 5)), dict(causal=True, window=(200, 0)),
+    dict(kv_lengths="ragged"), dict(dropout_p=0.25, seed=3),
+    dict(mask="random")])
+def test_tile_is_plain_is_every_pair_allowed(rng, opts):
+    nq, nk = (int(x) for x in rng.integers(130, 600, 2))
+    opts = dict(opts)
+    if opts.get("kv_lengths") == "ragged":
+        opts["kv_lengths"] = np.array([[nk, int(rng.integers(1, nk))]])
+    if opts.get("mask") == "random":
+        opts["mask"] = rng.random((1, 2, nq, nk)) < 0.9
+    rules, kv_len, _, lengths = _rules(rng, nq, nk, opts)
+    tiles = np.array([(b, i0, min(i0 + br, nq), j0) for b in range(2)
+                      for br in (64, 192) for i0 in range(0, nq, br)
+                      for j0 in range(0, nk, 64)], np.int64)
+    out = np.full(len(tiles), 7, np.bool_)  # poison: neither answer
+    _plain[(len(tiles) + 63) // 64, 64](tiles, out, BC, nk, rules, kv_len)
+    wants = []
+    for (b, i0, i1, j0), got in zip(tiles, out):
+        want = (not rules.use_mask and not rules.use_dropout
+                and j0 + BC <= nk and all(
+                    masks.pair_allowed(i, j, rules, lengths[b])
+                    for i in range(i0, i1) for j in range(j0, j0 + BC)))
+        assert got == want, (b, i0, i1, j0)
+        wants.append(want)
+    if not (rules.use_mask or rules.use_dropout
+            or opts.get("window") == (40, 5)):  # narrower than a tile
+        assert any(wants) and not all(wants)  # both answers were checked
+
+
+@pytest.mark.gpu  # the softmax's shuffles and ex2: not on the simulator
+@pytest.mark.parametrize("scale", [None, -0.3])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh):
+    # a tile wholly below a causal diagonal, as most of a long row's are;
+    # from a fresh row (m = -inf) and from one with earlier tiles seen;
+    # tau <= 0 is scaled first (it reorders the scores)
+    nq = nk = 512
+    i0, j0 = 256, 64
+    rules, kv_len, mask, _ = _rules(rng, nq, nk,
+                                    dict(causal=True, scale=scale))
+    tile = np.array([[0, i0, i0 + 16, j0]], np.int64)
+    plain = np.zeros(1, np.bool_)
+    _plain[1, 1](tile, plain, BC, nk, rules, kv_len)
+    assert plain[0]
+    s = (3 * rng.standard_normal((32, TILES, 4))).astype(np.float32)
+    state = np.zeros((32, 3, 2), np.float32)
+    if fresh:
+        state[:, 0] = -np.inf
+    else:  # each row's m the same in its four lanes, l each lane's share
+        state[:, 0] = np.repeat(rng.uniform(-2, 6, (8, 2)), 4, axis=0)
+        state[:, 1] = rng.uniform(0.5, 4, (32, 2))
+        state[:, 2] = 1
+    got = {}
+    for way in (True, False):
+        out_s = np.full((32, TILES, 4), np.nan, np.float32)  # poison
+        out_state = np.full((32, 4, 2), np.nan, np.float32)
+        _softmax[1, 32](s, state, 0, i0, i0 + 16, j0, nq, nk, rules,
+                        kv_len, mask, way, out_s, out_state)
+        got[way] = out_s, out_state
+    for a, b in zip(got[True], got[False]):
+        assert np.array_equal(a, b)
+    # and both are the online softmax: P = exp(tau s - m_new), l_new =
+    # alpha l + row sum of P (over the row's four lanes), in float64
+    tau = rules.scale
+    out_s, out_state = got[True]
+    for g in range(8):
+        lanes = slice(4 * g, 4 * g + 4)
+        for h in range(2):
+            row = (tau * s[lanes, :, 2 * h:2 * h + 2]).astype(np.float64)
+            m_old = float(state[4 * g, 0, h])
+            m_new = max(m_old, row.max())
+            p = np.exp(row - m_new)
+            assert np.allclose(out_s[lanes, :, 2 * h:2 * h + 2], p,
+                               rtol=1e-5, atol=1e-7)
+            assert np.allclose(out_state[lanes, 0, h], m_new, rtol=1e-6)
+            alpha = np.exp(m_old - m_new)
+            l_new = alpha * state[lanes, 1, h].sum() + p.sum()
+            assert np.isclose(out_state[lanes, 1, h].sum(), l_new,
+                              rtol=1e-5)
+            assert (out_state[lanes, 3, h] == 1).all()  # rows met a key
