@@ -475,3 +475,80 @@ register("fragment_run", Exercise(
       "n-tile n goes to bits 4 n and 4 n + 1, not 2 n and 2 n + 1",
       _run_unspread),
      ("lo..hi is inclusive: key hi is allowed", _run_hi_excluded))))
+
+# ------------------------------------------------------- register_budget
+
+_SM_REGISTERS = 64 * 1024  # 32-bit registers of a Hopper SM
+
+
+def _model_budget(groups, keep):
+    """(cap, grow) by search: the largest cap a multiple of 8 whose block
+    fits the SM, and the largest consumer count a multiple of 8, at most
+    256, that the producer's release leaves room for."""
+    threads = 128 * (groups + 1)
+    cap = max(c for c in range(8, 257, 8) if c * threads <= _SM_REGISTERS)
+    grow = max(g for g in range(8, 257, 8)
+               if keep * 128 + g * 128 * groups <= cap * threads)
+    return cap, grow
+
+
+def _cases_register_budget(rng):
+    from flashlab.gpu import forward_v8
+
+    out = [Case(f"forward_v8's block of {g} consumers", (g, keep),
+                forward_v8.REGISTERS[g][:1] + forward_v8.REGISTERS[g][2:])
+           for g, (_, keep, _) in sorted(forward_v8.REGISTERS.items())]
+    for g, keep in ((1, 56), (4, 24), (5, 40),
+                    (int(rng.integers(1, 6)), int(rng.choice([24, 32])))):
+        out.append(Case(f"{g} consumers, the producer keeps {keep}",
+                        (g, keep), _model_budget(g, keep)))
+    return out
+
+
+def register_budget(groups, keep):
+    """Chapter 12: (cap, grow) of a warp-specialized block of one producer
+    warpgroup and `groups` consumer warpgroups.
+
+    The kernel is built with `cap` registers a thread: the most, a
+    multiple of 8, for which the whole block fits one SM's 65,536. At its
+    start the producer's 128 threads keep `keep` (setmaxnreg.dec) and
+    each consumer thread takes `grow` (setmaxnreg.inc): the most, a
+    multiple of 8 and at most 256, that the block's own registers cover.
+    """
+    threads = 128 * (groups + 1)
+    cap = _SM_REGISTERS // threads // 8 * 8
+    left = cap * threads - 128 * keep
+    return cap, min(256, left // (128 * groups) // 8 * 8)
+
+
+def _budget_unrounded(groups, keep):
+    threads = 128 * (groups + 1)
+    cap = _SM_REGISTERS // threads
+    return cap, min(256, (cap * threads - 128 * keep) // (128 * groups))
+
+
+def _budget_no_producer(groups, keep):
+    threads = 128 * (groups + 1)
+    cap = _SM_REGISTERS // threads // 8 * 8
+    return cap, min(256, cap * threads // (128 * groups) // 8 * 8)
+
+
+def _budget_uncapped(groups, keep):
+    threads = 128 * (groups + 1)
+    cap = _SM_REGISTERS // threads // 8 * 8
+    return cap, (cap * threads - 128 * keep) // (128 * groups) // 8 * 8
+
+
+register("register_budget", Exercise(
+    12, "register_budget(groups, keep) -> (cap, grow): the registers a "
+    "thread a block of one producer and `groups` consumer warpgroups is "
+    "built with, and what each consumer thread takes once the producer "
+    "keeps `keep`",
+    _cases_register_budget, register_budget,
+    (("registers are allocated in 8s: round the cap (and what a consumer "
+      "takes) down to a multiple of 8", _budget_unrounded),
+     ("setmaxnreg moves the block's own registers: the producer's 128 "
+      "threads keep theirs, and only the rest go to the consumers",
+      _budget_no_producer),
+     ("setmaxnreg takes at most 256 registers a thread",
+      _budget_uncapped))))
