@@ -47,7 +47,7 @@ def _softmax(s, state, b, i0, i1, j0, nq, nk, rules, kv_len, mask, plain,
         seen[h] = int32(state[lane, 2, h])
     row = i0 + lane // 4
     if plain:
-        warp.plain_softmax(sf, m, l, al, seen, TILES, b, row, j0, rules)
+        warp.plain_softmax(sf, m, l, al, seen, TILES, rules)
     else:
         warp.tile_softmax(sf, m, l, al, seen, TILES, BC, b, row, i0, i1,
                           j0, nq, nk, rules, kv_len, mask, kv_len[b])

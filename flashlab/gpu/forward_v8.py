@@ -286,8 +286,7 @@ def make(D, D_V, kind="bf16"):
                              jt * BC, nq, nk, rules, kv_len, mask, kv)
                 o_wait(of, pf)
             elif tile_is_plain(i0, i1, jt * BC, BC, nk, rules, kv):
-                plain_softmax(sf, m, l, al, seen, NS, b, row, jt * BC,
-                              rules)
+                plain_softmax(sf, m, l, al, seen, NS, rules)
                 o_wait(of, pf)
             else:  # a mask or dropout needs registers that P holds:
                 o_wait(of, pf)  # P V first (a few tiles of a causal row)

@@ -310,7 +310,7 @@ CHAINS = 8  # independent partial maxima and sums of a row's terms
 
 
 @inline
-def online_softmax(sf, m, l, al, tiles, b, i, j0, rules):
+def online_softmax(sf, m, l, al, tiles, rules):
     """S fragments (S, or tau S where tau <= 0) -> P in place; m, l,
     alpha per half.
 
@@ -406,7 +406,7 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
         bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                            tiles)
     note_allowed(seen, bits, tiles)
-    online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
+    online_softmax(sf, m, l, al, tiles, rules)
     drop(sf, b, row, j0, rules, tiles)
 
 
@@ -429,12 +429,12 @@ def tile_is_plain(i0, i1, j0, bc, nk, rules, kv):
 
 
 @inline
-def plain_softmax(sf, m, l, al, seen, tiles, b, row, j0, rules):
+def plain_softmax(sf, m, l, al, seen, tiles, rules):
     """tile_softmax of a tile that tile_is_plain: no mask, no dropout, so
     none of their registers (v8 runs it while P V holds its operands)."""
     scale_first(sf, tiles, rules)
     note_allowed(seen, int64(-1), tiles)
-    online_softmax(sf, m, l, al, tiles, b, row, j0, rules)
+    online_softmax(sf, m, l, al, tiles, rules)
 
 
 DOT_ROWS = THREADS // 32  # rows of a row_dot16 block: a warp each
