@@ -335,17 +335,17 @@ def test_e4m3_tiles_and_packed_p_give_s_and_p_v():
 
     rng = np.random.default_rng(8)
     d = d_v = 128
-    bc, ks = v8.BLOCK_K[d], 32
-    q = rng.integers(0, 256, (v8.BR, d), dtype=np.uint8)
+    br, bc, ks = v8.block_rows(d, d_v), v8.BLOCK_K[d], 32
+    q = rng.integers(0, 256, (br, d), dtype=np.uint8)
     k = rng.integers(0, 256, (bc, d), dtype=np.uint8)
     v = rng.integers(0, 256, (bc, d_v), dtype=np.uint8)
     v_t = v8.to_v_t(torch.from_numpy(v)).numpy()  # (d_v, keys)
     assert v_t.shape == (d_v, bc)
     tiles = [fr.tma_box(x) for x in (q, k, v_t)]
-    lbo, sbo, _, _ = fr.k_major_128b(v8.BR)
-    for wg in range(v8.GROUPS):
+    lbo, sbo, _, _ = fr.k_major_128b(br)
+    for wg in range(v8.groups(d, d_v)):
         acc = np.zeros((WG, bc // 2))
-        for s, at in enumerate(v8.k_steps_128b(v8.BR, d // ks)):
+        for s, at in enumerate(v8.k_steps_128b(br, d // ks)):
             a = fr.wgmma_operand8(
                 tiles[0], fr.descriptor_128b(wg * 64 * 128 + at, lbo, sbo),
                 64)
