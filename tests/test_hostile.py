@@ -353,7 +353,13 @@ def test_cpu_scores_near_the_float32_limit(rng):
     o, lse = cpu.attention(q, k, v, return_lse=True, **kw)
     assert np.isfinite(o).all() and np.isfinite(lse).all()
     assert max_abs_err(o, o_ref) < 1e-5
-    assert max_abs_err(lse / lse_ref, 1.0) < 1e-6
+    # the 3e38 rows relative to a few float32 ulps (6e-8 each); the
+    # others absolutely: lse there is O(1) and may be near zero, where
+    # a ratio magnifies the float32 rounding of the scores (~1e-6)
+    big = lse_ref > 1e30
+    assert big.any() and not big.all()
+    assert max_abs_err(lse[big] / lse_ref[big], 1.0) < 1e-6
+    assert max_abs_err(lse[~big], lse_ref[~big]) < 1e-5
     do = rng.standard_normal(o.shape).astype(np.float32)
     o_t, lse_t = tiled.attention(q, k, v, return_lse=True, **kw)
     want = tiled.attention_backward(q, k, v, o_t, lse_t, do, **kw)
