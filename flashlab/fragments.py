@@ -192,6 +192,19 @@ def a_from_c(r):
     return r // 2, 2 * (r % 2)
 
 
+def a_pair_offset(t, kp, r):
+    """Byte offset, in a 128-byte-swizzled tile of one panel (rows of 64
+    16-bit values), of the pair that A register r of k-step kp of thread t
+    packs (`a_from_c`): warpgroup t // 128 owns rows 64 on, a row per C
+    fragment row, the k-step's 16 columns at 16 kp. The backward keeps
+    dS^T (keys x queries) so, for dQ = dS K to read it MN-major (written
+    out, as swizzled_offset, so kernels compile it alone)."""
+    warp, lane = t // 32, t % 32
+    row = 64 * (warp // 4) + 16 * (warp % 4) + lane // 4 + 8 * (r % 2)
+    chunk = 2 * kp + r // 2
+    return (row * 8 + (chunk ^ (row & 7))) * 16 + 4 * (lane % 4)
+
+
 def a8_from_c(r, y):
     """(n-tile, element) of S's C fragments that byte y of the 8-bit A
     register r packs.

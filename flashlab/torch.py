@@ -51,6 +51,7 @@ def _forward(q, k, v, mask, kv_lengths, seed, options):
     """(o, lse) on q's device: flashlab.gpu for CUDA, tiled for CPU."""
     kw = _decode(options, mask, kv_lengths, seed)
     splits = kw.pop("num_splits")
+    del kw["deterministic"]  # the backward's choice
     if q.is_cuda:
         from flashlab import gpu
 
@@ -97,6 +98,7 @@ def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
     """(dq, dk, dv) on q's device, each in its input's dtype."""
     kw = _decode(options, mask, kv_lengths, seed)
     del kw["num_splits"]  # one backward loop follows any split forward
+    deterministic = kw.pop("deterministic")
     if q.is_cuda:
         from flashlab import gpu
 
@@ -107,7 +109,8 @@ def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
             # no tensor-core backward at these head dims: the float32
             # kernels on widened copies
             saved = [x.float() for x in saved]
-        grads = gpu.attention_backward(*saved, **kw)
+        grads = gpu.attention_backward(*saved, deterministic=deterministic,
+                                       **kw)
         return tuple(g if g.dtype == x.dtype else g.to(x.dtype)
                      for g, x in zip(grads, (q, k, v)))
     # the backward has one loop order for both forward orders
@@ -245,7 +248,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
               is_causal=False, scale=None, enable_gqa=False, *,
               causal=None, mask=None, window=None, align=None,
               kv_lengths=None, block_q=None, block_k=None, seed=None,
-              return_lse=False, order="fa2", num_splits=1):
+              return_lse=False, order="fa2", num_splits=1,
+              deterministic=True):
     """Differentiable attention with the signature of torch's
     scaled_dot_product_attention: query (..., L, E), key (..., S, E),
     value (..., S, Ev) -> (..., L, Ev).
@@ -258,12 +262,16 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     `tiled.attention`: causal (True, "top_left", "bottom_right"), mask
     (a second name for attn_mask), window, align, kv_lengths, blocks,
     seed, order, num_splits; with return_lse also the row log-sum-exp
-    (..., L), which carries no gradient. With dropout_p > 0 and no seed,
+    (..., L), which carries no gradient. deterministic=False lets the
+    backward add dQ by atomics where a kernel does (v7's fused kernel on
+    Hopper: fewer products, dQ's last bits vary run to run); the default
+    gives the same bits every run. With dropout_p > 0 and no seed,
     a seed is drawn from torch's generator, so torch.manual_seed makes
     runs repeatable. Rows that no key may attend give 0 (and lse -inf)
     where SDPA gives NaN. See chapters 7 and 8.
     """
     return_lse = check_flag("return_lse", return_lse)
+    deterministic = check_flag("deterministic", deterministic)
     q, k, v = query, key, value
     for name, x in (("query", q), ("key", k), ("value", v)):
         _check_tensor(name, x, q)
@@ -299,7 +307,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
         block_q=block_q, block_k=block_k, scale=scale,
         causal=False if causal is None else causal, window=window,
         align=align, dropout_p=dropout_p, order=order,
-        num_splits=num_splits, seed=seed))
+        num_splits=num_splits, seed=seed, deterministic=deterministic))
     o, lse = _call(q, k, v, mask, kv_lengths, seed_t, options)
     return (o, lse) if return_lse else o
 

@@ -89,18 +89,21 @@ def test_backward_v7_is_wgmma_kept_asynchronous(report):
     # every product of a tile pair is one wgmma asm statement of its
     # k-steps: dQ's S and dP over d and d_v, dS K over the 64 streamed
     # keys; dK/dV's S^T and dP^T, then P^T dO and dS^T Q over the 64
-    # streamed queries. No mma.sync is left, and ptxas keeps the wgmmas
+    # streamed queries; the fused kernel's, and dS K over its keys
+    # (dq_split). No mma.sync is left, and ptxas keeps the wgmmas
     # asynchronous (the whole-program assembly of launch.assemble)
     from flashlab.gpu import backward_v7
 
     keys = [k for k in report if k.startswith("backward_v7")]
-    assert len(keys) == 2 * 2 * 2  # dq, dkv; bf16, f16; d 64, 128
+    assert len(keys) == 3 * 2 * 2  # dq, dkv, fused; bf16, f16; d 64, 128
     streamed = backward_v7.STREAMED // 16
     for key in keys:
         r = report[key]
         d, d_v = map(int, key.split()[1:])
-        extra = {"dq": 1, "dkv": 2}[key.split("_")[2]]
-        assert r["wgmma"] == d // 16 + d_v // 16 + extra * streamed, (
+        part = key.split("_")[2]
+        extra = {"dq": 1, "dkv": 2, "fused": 2}[part]
+        dq = backward_v7.dq_split(d)[0] if part == "fused" else 0
+        assert r["wgmma"] == d // 16 + d_v // 16 + extra * streamed + dq, (
             key, r)
         assert r["mma"] == 0 and r["local"] == 0 and r["f64"] == 0, key
         assert not r["serialized"], key

@@ -409,3 +409,51 @@ def test_transpose_keys8_is_to_v_t(nk, d_v):
     assert not v_t[:, :, key >= nk].any()  # past Nk: zeros
     np.testing.assert_array_equal(v_t[:, :, key < nk],
                                   v.transpose(0, 2, 1)[:, :, key[key < nk]])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_backward_dq_reads_ds_and_k_through_its_descriptors(d):
+    # the fused backward keeps dS^T (128 keys x 64 queries) where each
+    # thread's A registers of dK's product go (fragments.a_pair_offset),
+    # then dQ = dS K reads it MN-major as A, and K_j MN-major as B: every
+    # place written once, each warpgroup's k-steps the right 16 keys, and
+    # the warpgroups' products (columns or keys, dq_split) sum to dS K
+    from flashlab.gpu import backward_v7 as b7
+
+    rng = np.random.default_rng(d)
+    keys, queries = b7.own("dkv"), b7.STREAMED
+    ds_t = rng.integers(-2 ** 10, 2 ** 10, (keys, queries)).astype(float)
+    k = rng.integers(-2 ** 10, 2 ** 10, (keys, d)).astype(float)
+    places = fr.wgmma_a_places()  # (128, 4, 2, 2): row, column per half
+    tile = np.full(keys * queries, np.nan)
+    for t in range(b7.threads("fused")):
+        wg, tl = divmod(t, WG)
+        for kp in range(queries // 16):
+            for r in range(4):
+                at = fr.a_pair_offset(t, kp, r)
+                assert at % 4 == 0 and np.isnan(tile[at // 2:at // 2 + 2]
+                                                 ).all()
+                for h in range(2):  # dS^T's pair as the register holds it
+                    row, col = places[tl, r, h]
+                    tile[at // 2 + h] = ds_t[64 * wg + row, 16 * kp + col]
+    assert not np.isnan(tile).any()
+    k_tile = _fill_panels(k, b7.threads("fused")).astype(float)
+    steps, own_keys = b7.dq_split(d)
+    lbo, sbo, step = fr.mn_major_128b(keys)
+    dq = np.zeros((queries, d))
+    for wg in range(b7.GROUPS["fused"]):
+        mine = wg * b7.WG_ROWS if own_keys else 0
+        panel = 0 if own_keys else keys * 128 * wg
+        cols = slice(0, 64) if own_keys else slice(64 * wg, 64 * wg + 64)
+        acc = np.zeros((WG, 32))
+        for s in range(steps):
+            a = fr.wgmma_operand(tile, fr.descriptor_128b(
+                mine + s * step, lbo, sbo), 64, True).T  # (64, 16) of dS
+            b = fr.wgmma_operand(k_tile, fr.descriptor_128b(
+                panel + mine + s * step, lbo, sbo), 64, True)
+            first = mine // 128 + 16 * s  # the k-step's first key
+            np.testing.assert_array_equal(a, ds_t[first:first + 16].T)
+            np.testing.assert_array_equal(b, k[first:first + 16, cols])
+            acc = fr.wgmma(a, b, acc)
+        dq[:, cols] += fr.scatter(acc, fr.wgmma_c_places(64), (64, 64))
+    np.testing.assert_array_equal(dq, ds_t.T @ k)

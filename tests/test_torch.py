@@ -123,6 +123,20 @@ def test_bad_input():
     with pytest.raises(ValueError, match="attn_mask: expected a mask that "
                                          "needs no gradient"):
         fl_torch.attention(x, x, x, x.clone().requires_grad_())
+    with pytest.raises(TypeError, match="deterministic: expected True or"):
+        fl_torch.attention(x, x, x, deterministic=0)
+
+
+def test_deterministic_false_changes_nothing_on_a_cpu(rng):
+    # atomics are a GPU kernel's choice: the CPU kernels' gradients are
+    # the same bits either way, and both are differentiable
+    q, k, v = tensors(rng, (2, 9, 8), (2, 11, 8), 8, torch.float32)
+    do = torch.randn(2, 9, 8, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad(fl_torch.attention(
+        q, k, v, is_causal=True, deterministic=flag), (q, k, v), do)
+        for flag in (True, False)]
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_huge_scores_lose_no_more_than_torch(rng):

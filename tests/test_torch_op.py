@@ -29,7 +29,7 @@ def test_opcheck(rng, opts):
         block_q=None, block_k=None, scale=None,
         causal=opts.get("is_causal", False), window=opts.get("window"),
         align=None, dropout_p=opts.get("dropout_p", 0.0), order="fa2",
-        num_splits=1, seed=opts.get("seed")))
+        num_splits=1, seed=opts.get("seed"), deterministic=True))
     torch.library.opcheck(fl_torch.attention_op,
                           (q, k, v, None, None, None, options))
 

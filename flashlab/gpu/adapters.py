@@ -98,6 +98,13 @@ class TorchArrays:
         view = out.view(torch.int16) if dtype in HALF_BITS else out
         return out, device_view(view)
 
+    def zeros(self, shape):
+        """float32 zeros, which kernels add to (in place: the tensor is
+        its own kernel view)."""
+        import torch
+
+        return torch.zeros(shape, dtype=torch.float32, device=self.device)
+
     def zeros_bool(self, shape):
         """A kernel view of False flags (small: one per column)."""
         import torch
@@ -175,6 +182,13 @@ class DeviceArrays:
         else:
             dev = cuda.device_array(shape, dtype=kind)
         return dev, dev
+
+    def zeros(self, shape):
+        """A device array of float32 zeros, which kernels add to."""
+        from numba import cuda
+
+        return cuda.to_device(np.zeros(shape, dtype=np.float32),
+                              stream=self.stream)
 
     def zeros_bool(self, shape):
         """A device array of False flags (small: one per column)."""

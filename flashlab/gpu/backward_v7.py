@@ -50,9 +50,12 @@ from flashlab.gpu.forward_v7 import (
 from flashlab.gpu.intrinsics import (
     cp_async_commit,
     cp_async_wait_all,
+    global_address,
     pack_bf16x2,
     pack_f16x2,
+    red_add2,
     shared_address,
+    st_shared32,
 )
 from flashlab.gpu.warp import (
     allowed_bits_of,
@@ -61,7 +64,7 @@ from flashlab.gpu.warp import (
     mask_scores,
     tile_range,
 )
-from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
+from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
 # warpgroups per block, by kernel: each owns 64 rows (queries for dQ,
 # keys for dK and dV) and all of a block's share the streamed tiles
@@ -69,7 +72,7 @@ from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
 # an SM and one's softmax runs under the other's products, is 5 to 12%
 # faster than two; for dK and dV two, loading each Q/dO tile once for
 # 128 keys, are as fast or faster)
-GROUPS = {"dq": 1, "dkv": 2}
+GROUPS = {"dq": 1, "dkv": 2, "fused": 2}  # fused: dkv's, and dQ
 STREAMED = 64  # rows of the other side per streamed tile
 HEAD_DIMS = (64, 128)
 WG_ROWS = 64 * 128  # bytes to a warpgroup's 64 rows in each panel
@@ -77,7 +80,7 @@ PACKS = {"bf16": pack_bf16x2, "f16": pack_f16x2}
 
 
 def threads(part):
-    """Threads per block of kernel `part` ("dq" or "dkv")."""
+    """Threads per block of kernel `part` ("dq", "dkv" or "fused")."""
     return 128 * GROUPS[part]
 
 
@@ -88,9 +91,11 @@ def own(part):
 
 def shared_bytes(part, d, d_v):
     """Dynamic shared memory per block of kernel `part`: its own rows of
-    two tiles (d and d_v wide), two stages of the streamed ones, and
-    room to align them."""
-    return 2 * (own(part) * (d + d_v) + 2 * STREAMED * (d + d_v)) + ALIGN
+    two tiles (d and d_v wide), two stages of the streamed ones, dS^T
+    (own rows x STREAMED) for the fused kernel, and room to align them."""
+    ds = own(part) * STREAMED if part == "fused" else 0
+    return 2 * (own(part) * (d + d_v) + 2 * STREAMED * (d + d_v) + ds) \
+        + ALIGN
 
 
 def make_store_pairs(pack, tiles):
@@ -237,6 +242,26 @@ def next_item(g, it, groups, nt, nq, j0, j1, rules, kv_len, b0):
 
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
+    return _make_keys(D, D_V, kind, with_dq=False)
+
+
+def make_fused(D, D_V, kind="bf16"):
+    """make_dkv's kernel that also adds dQ = dS K of every tile pair to a
+    float32 dQ by atomics: five products a tile pair, not seven."""
+    return _make_keys(D, D_V, kind, with_dq=True)
+
+
+def dq_split(d):
+    """(k-steps, whether each warpgroup takes its own keys) of the fused
+    kernel's dQ product: at d = 128 warpgroup w takes dQ's columns 64 w..
+    over all of the block's keys, at d = 64 all columns over its own 64
+    keys (both add theirs); either way a 64 x 64 accumulator each."""
+    own_keys = d == 64
+    return (64 if own_keys else own("dkv")) // 16, own_keys
+
+
+def _make_keys(D, D_V, kind, with_dq):
+    """The kernel of a block of keys: dK and dV, and with_dq dQ too."""
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     load_panels = make_load_panels(threads("dkv"))
     KD, KV, KP = D // 16, D_V // 16, BQ // 16  # k-steps: S^T, dP^T, dK/dV
@@ -253,18 +278,26 @@ def make_dkv(D, D_V, kind="bf16"):
     v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
     k_issue = mma_rs(D, KP, step_t, kind, wait=False)
     sp_wait = wait_for(0, NS * 4, NS * 4)
-    v_wait = wait_for(1, NV * 4, KP * 4)  # dV, P^T in; dK may still fly
-    k_wait = wait_for(0, NK * 4, KP * 4)
+    # dV and P^T in (dK may still fly), then dK and dS^T (dQ may fly)
+    v_wait = wait_for(1, NV * 4, KP * 4)
+    k_wait = wait_for(int(with_dq), NK * 4, KP * 4)
     to_a = make_to_a(PACKS[kind], KP)
     store_k = make_store_pairs(PACKS[kind], NK)
     store_v = make_store_pairs(PACKS[kind], NV)
+    # dQ = dS K: A dS^T (keys x queries, one panel) and B K_j, both read
+    # MN-major from 128-byte-swizzled tiles; the hooks are no-ops without
+    keep_ds, start_dq, finish_dq = _dq_hooks(D, kind) if with_dq else (
+        _no_ds, _no_start, _no_finish)
+    QSTEPS, OWN_KEYS = dq_split(D)
+    lbo_d, sbo_d, _ = fragments.mn_major_128b(BK)
 
-    @cuda.jit
-    def backward_v7_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
-                        mask):
+    @inline
+    def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len,
+                   mask):
         # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
         # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
-        # stats: shifts (BH, Nq), then norms (BH, Nq) if present
+        # stats: shifts (BH, Nq), then norms (BH, Nq) if present; dq
+        # (fused): float32 (BH, Nq, d), unscaled dS K summed into it
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
         # row_terms (shift, zn, dl) of each stage's queries
         terms = cuda.shared.array((2, 3, STREAMED), float32)
@@ -274,6 +307,7 @@ def make_dkv(D, D_V, kind="bf16"):
         da = cuda.local.array((KP, 4), int32)  # dS^T: A of dK's k-steps
         gk = cuda.local.array((NK, 4), float32)  # dK_j
         gv = cuda.local.array((NV, 4), float32)  # dV_j
+        gq = cuda.local.array((8, 4), float32)  # 64 x 64 of dS K (fused)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         bk = cuda.blockIdx.y  # the K/V head
@@ -288,6 +322,7 @@ def make_dkv(D, D_V, kind="bf16"):
         v_at = k_at + uint32(2 * K_S)
         q_at = k_at + uint32(2 * OWN_S)  # stage s: 2 STAGE_S s bytes on
         o_at = q_at + uint32(2 * Q_S)
+        ds_at = q_at + uint32(4 * STAGE_S)  # dS^T, after both stages
         wg = uint32(WG_ROWS * (w // 4))  # this warpgroup's keys
         k_desc = uint64(descriptor_128b(k_at + wg, lbo, sbo))
         v_desc = uint64(descriptor_128b(v_at + wg, lbo, sbo))
@@ -295,6 +330,13 @@ def make_dkv(D, D_V, kind="bf16"):
         o_desc = uint64(descriptor_128b(o_at, lbo, sbo))
         qt_desc = uint64(descriptor_128b(q_at, lbo_t, sbo_t))
         ot_desc = uint64(descriptor_128b(o_at, lbo_t, sbo_t))
+        # dQ's operands: this warpgroup's keys of dS^T and K_j, or all
+        # keys and its panel of K_j (dq_split)
+        mine = wg if OWN_KEYS else uint32(0)
+        panel = uint32(0) if OWN_KEYS else uint32(BK * 128 * (w // 4))
+        ds_desc = uint64(descriptor_128b(ds_at + mine, lbo_d, sbo_d))
+        kq_desc = uint64(descriptor_128b(k_at + panel + mine, lbo_d,
+                                         sbo_d))
         next_stage = uint64(2 * STAGE_S >> 4)  # in descriptor units
         for n in range(NK):
             for x in range(4):
@@ -323,8 +365,8 @@ def make_dkv(D, D_V, kind="bf16"):
                                 kv_len, b0)
             cp_async_wait_all()
             # item (g, it) and its terms have landed; every warpgroup has
-            # waited for the products of the item before: the other
-            # stage is free
+            # waited for the products of the item before (and read its
+            # dS^T): the other stage is free
             handed_over()
             if gn < groups:
                 free = uint32(2 * STAGE_S) * uint32(1 - now)
@@ -361,15 +403,94 @@ def make_dkv(D, D_V, kind="bf16"):
             to_a(pa, sf)
             v_issue(gv, pa, ot_desc + at_now)
             to_a(da, pf)
+            keep_ds(da, ds_at, t)  # before dK's product takes da
             k_issue(gk, da, qt_desc + at_now)
-            v_wait(gv, pa)
+            v_wait(gv, pa)  # P^T's registers free before dQ's are taken
+            start_dq(gq, ds_desc, kq_desc)
             k_wait(gk, da)
+            finish_dq(gq, dq, b, i0 + 16 * (w % 4) + lane // 4, nq,
+                      (0 if OWN_KEYS else 64 * (w // 4)) + tq)
             g, it = gn, itn
             now = 1 - now
         store_k(gk, dk, bk, key, nk, lane % 4, tau)
         store_v(gv, dv, bk, key, nk, lane % 4, float32(1))
 
+    if with_dq:
+        @cuda.jit
+        def backward_v7_fused(q, k, v, do, stats, delta, dk, dv, dq, rules,
+                              kv_len, mask):
+            run(q, k, v, do, stats, delta, dk, dv, dq, rules,
+                       kv_len, mask)
+
+        return backward_v7_fused
+
+    @cuda.jit
+    def backward_v7_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
+                        mask):
+        run(q, k, v, do, stats, delta, dk, dv, dk, rules, kv_len,
+                   mask)
+
     return backward_v7_dkv
+
+
+ds_place = cuda.jit(device=True)(fragments.a_pair_offset)
+
+
+def _dq_hooks(D, kind):
+    """The fused kernel's three steps of dQ = dS K, around dK's product:
+    keep dS^T in SRAM, start the product once every warpgroup's is there,
+    wait for it and add it to dQ."""
+    QSTEPS, _ = dq_split(D)
+    _, _, step = fragments.mn_major_128b(own("dkv"))
+    q_issue = mma_ss(64, QSTEPS, step, step, kind, trans_b=1, wait=False,
+                     trans_a=1)
+    q_wait = wait_for(0, 32)
+    KP = STREAMED // 16
+
+    @inline
+    def keep_ds(da, ds_at, t):
+        # dS^T's A registers, each a pair of a C fragment row (keys), to
+        # their places in the swizzled keys x queries tile
+        for kp in range(KP):
+            for x in range(4):
+                st_shared32(uint32(ds_at + uint32(ds_place(t, kp, x))),
+                            da[kp, x])
+
+    @inline
+    def start_dq(gq, ds_desc, kq_desc):
+        proxy_fence()  # this thread's dS^T stores to wgmma's proxy,
+        cuda.syncthreads()  # then every thread's
+        q_issue(gq, ds_desc, kq_desc)
+
+    @inline
+    def finish_dq(gq, dq, b, row, nq, col):
+        # C fragment (n, x): query row + 8 (x >> 1), column col + 8 n +
+        # (x & 1) of dQ, a pair of neighbours per reduction (col even);
+        # rows past Nq are not there
+        q_wait(gq)
+        for h in range(2):
+            if row + 8 * h < nq:
+                at = global_address(dq, (b, row + 8 * h, col))
+                for n in range(8):
+                    red_add2(at + uint64(32 * n), gq[n, 2 * h],
+                             gq[n, 2 * h + 1])
+
+    return keep_ds, start_dq, finish_dq
+
+
+@inline
+def _no_ds(da, ds_at, t):
+    pass
+
+
+@inline
+def _no_start(gq, ds_desc, kq_desc):
+    pass
+
+
+@inline
+def _no_finish(gq, dq, b, row, nq, col):
+    pass
 
 
 def compile_ptx(part, d, d_v, kind="bf16"):
@@ -378,6 +499,7 @@ def compile_ptx(part, d, d_v, kind="bf16"):
 
     with build.compiling_without_gpu(CC[:2]):
         ptx, _ = cuda.compile_ptx(
-            {"dq": make_dq, "dkv": make_dkv}[part](d, d_v, kind).py_func,
+            {"dq": make_dq, "dkv": make_dkv, "fused": make_fused}[part](
+                d, d_v, kind).py_func,
             build.signature(f"backward_v7_{part}_{kind}"), cc=CC)
     return ptx

@@ -242,20 +242,27 @@ def combine(outs, lses):
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2", align=None, version=None):
-    """GPU gradients (dq, dk, dv); deterministic. Keywords as the forward.
+                       order="fa2", align=None, version=None,
+                       deterministic=True):
+    """GPU gradients (dq, dk, dv). Keywords as the forward.
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
     float32 as the forward returns it: `version` 7 (`backward_v7`, wgmma,
     Hopper only; gradients in the inputs' dtype, rounded once from
     float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
-    the newest the GPU runs. Both are deterministic: no atomics.
+    the newest the GPU runs. Deterministic by default: no atomics, the
+    same bits every run. deterministic=False lets v7 run its fused
+    kernel, which adds each tile pair's dQ to a float32 dQ by atomics
+    (five products a tile pair instead of seven; the order of the
+    additions, so dQ's last bits, vary from run to run); elsewhere it
+    changes nothing.
     """
+    deterministic = check_flag("deterministic", deterministic)
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    align=align)
-    fast = _fast_key(q, k, v, ("backward", order, version),
+    fast = _fast_key(q, k, v, ("backward", order, version, deterministic),
                      dict(options, block_q=block_q, block_k=block_k),
                      saved=(o, lse, do))
     plan = _plans.get(fast) if fast is not None else None
@@ -278,10 +285,13 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"q: the 16-bit backward runs head dims "
                 f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
                 f"float32 copies")
-        names = _backward16_names(version, dtype, d, d_v)
-        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
-        _check_fixed_blocks(names[1].rsplit("_", 2)[0], block_q, dq_tr.br,
-                            block_k, dkv_tr.br)
+        names = _backward16_names(version, dtype, d, d_v, deterministic)
+        keys_tr = traits.traits(names[0], d, d_v)
+        # queries a tile: dQ's own rows, or the fused kernel's streamed
+        rows = keys_tr.bc if names[1] is None else traits.traits(
+            names[1], d, d_v).br
+        _check_fixed_blocks(names[0].rsplit("_", 2)[0], block_q, rows,
+                            block_k, keys_tr.br)
         if fast is not None:
             _check_saved16(o, lse, do, q, dtype, d_v)
             plan = _plans[fast] = _BackwardPlan(q, k, v, o, lse, do, dtype,
@@ -337,9 +347,10 @@ def _statistics(call, name, q_k, k_k, lse, rows):
     return stats_k
 
 
-def _backward16_names(version, dtype, d, d_v):
+def _backward16_names(version, dtype, d, d_v, deterministic=True):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5 or 7;
-    None: registry.backward_version) for this GPU."""
+    None: registry.backward_version) for this GPU; (fused, None) for v7
+    where atomics are allowed (not deterministic)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -355,13 +366,15 @@ def _backward16_names(version, dtype, d, d_v):
             f"version: backward v{version} does not run on compute "
             f"capability {cc[0]}.{cc[1]} (pass None for the best it runs)")
     kind = "bf16" if dtype == "bfloat16" else "f16"
+    if version == 7 and not deterministic:
+        return f"backward_v7_fused_{kind}", None
     return tuple(f"backward_v{version}_{part}_{kind}"
                  for part in ("dkv", "dq"))
 
 
 def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
-    """The tensor-core backward (kernels `names`: dK/dV, dQ) of 16-bit q,
-    k, v, o, dO."""
+    """The tensor-core backward (kernels `names`: dK/dV, dQ, or the fused
+    kernel and None) of 16-bit q, k, v, o, dO."""
     _check_saved16(o, lse, do, q, dtype, d_v)
     _refuse_simulator("q: the 16-bit backward (backward_v5)")
     call = _Call(q, k, v, options)
@@ -381,7 +394,9 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
     arrays = [q_k, k_k, call.to_kernel(v, (call.bh_kv, nk, d_v)),
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]
-    dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
+    keys_tr = traits.traits(names[0], d, d_v)
+    if names[1] is None:  # fused: dS K summed into float32 by atomics
+        return _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype)
     if registry.get(names[0]).grads16:  # 16-bit pairs, per K/V head
         bh_k = call.bh_kv
         (dq, dq_k), (dk, dk_k), (dv, dv_k) = (
@@ -394,8 +409,9 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
         dk, dk_k = call.empty((bh, nk, d))
         dv, dv_k = call.empty((bh, nk, d_v))
     if bh and nq and nk:
-        kernel(dkv_tr.name, d, d_v)[
-            (math.ceil(nk / dkv_tr.br), bh_k), dkv_tr.threads,
+        dq_tr = traits.traits(names[1], d, d_v)
+        kernel(keys_tr.name, d, d_v)[
+            (math.ceil(nk / keys_tr.br), bh_k), keys_tr.threads,
             call.stream](*arrays, dk_k, dv_k, *call.args)
         kernel(dq_tr.name, d, d_v)[
             (math.ceil(nq / dq_tr.br), bh), dq_tr.threads,
@@ -403,6 +419,27 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
     if bh_k != call.bh_kv:
         dk, dv = call.group_sum(dk), call.group_sum(dv)
     return (call.result(dq, (*call.heads, nq, d)),
+            call.result(dk, (*k.shape[:-2], nk, d)),
+            call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
+    """_backward16 by v7's fused kernel: dK, dV as 16-bit pairs per K/V
+    head, dS K added to a zeroed float32 dQ, then dQ = tau (dS K) rounded
+    once to q's dtype."""
+    bh, nq, nk = call.bh, call.nq, call.nk
+    (dk, dk_k), (dv, dv_k) = (
+        (out, _pairs(view)) for out, view in (
+            call.empty(shape, dtype) for shape in (
+                (call.bh_kv, nk, d), (call.bh_kv, nk, d_v))))
+    dq32 = call.arrays.zeros((bh, nq, d))
+    if bh and nq and nk:
+        kernel(keys_tr.name, d, d_v)[
+            (math.ceil(nk / keys_tr.br), call.bh_kv), keys_tr.threads,
+            call.stream](*arrays, dk_k, dv_k, dq32, *call.args)
+    dq32 = call.result(dq32, (*call.heads, nq, d))
+    dq32 *= float(call.args[0].scale)  # float32: one rounding below
+    return (call.arrays.narrow(dq32, q),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
 
@@ -791,7 +828,8 @@ class _BackwardPlan:
     _ForwardPlan is: a call allocates D and the gradients (16-bit, or
     float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
     (warp.row_dot16), the dK/dV and the dQ kernels from their packed
-    buffers."""
+    buffers; or, with v7's fused kernel (names[1] None), that kernel on a
+    zeroed float32 dQ, which it adds to, then tau dQ in q's dtype."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
@@ -804,7 +842,9 @@ class _BackwardPlan:
         bh, nq, nk = call.bh, call.nq, call.nk
         import torch
 
-        dkv_tr, dq_tr = (traits.traits(n, d, d_v) for n in names)
+        self.fused = names[1] is None
+        dkv_tr, dq_tr = (traits.traits(n or names[0], d, d_v)
+                         for n in names)
         # 16-bit pairs with dK, dV per K/V head, or float32 per query head
         self.grads16 = registry.get(names[0]).grads16
         bh_k = call.bh_kv if self.grads16 else bh
@@ -812,6 +852,7 @@ class _BackwardPlan:
         self.grids = ((math.ceil(nk / dkv_tr.br), bh_k),
                       (math.ceil(nq / dq_tr.br), bh))
         self.threads = (dkv_tr.threads, dq_tr.threads)
+        self.tau = float(self.rules.scale)
         self.out_shapes = ((*call.heads, nq, d), (*k.shape[:-2], nk, d),
                            (*v.shape[:-2], nk, d_v))
         self.shapes = (self.out_shapes if self.grads16 else (
@@ -832,8 +873,13 @@ class _BackwardPlan:
                   bits[2].view(call.bh_kv, nk, d_v),
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
+        grads = self._grads(q)
         dq, dk, dv = (self._kernel_view(g, shape) for g, shape in zip(
-            self._grads(q), self.views))
+            grads, self.views))
+        if self.fused:  # dQ float32, as it is
+            self.dkv = kernel(names[0], d, d_v).pack(
+                *inputs, dk, dv, grads[0].view(self.views[0]), *call.args)
+            return
         self.dkv = kernel(names[0], d, d_v).pack(*inputs, dk, dv,
                                                  *call.args)
         self.dq = kernel(names[1], d, d_v).pack(*inputs, dq, *call.args)
@@ -859,7 +905,8 @@ class _BackwardPlan:
                            dtype=torch.float32, device=q.device)
 
     def _grads(self, q):
-        """Fresh dq, dk, dv as the kernels write them (`grads16`)."""
+        """Fresh dq, dk, dv as the kernels write them (`grads16`); dq
+        float32 zeros for the fused kernel, which adds to it."""
         import torch
 
         grads = [torch.empty(s, dtype=self.grad_dtype, device=q.device)
@@ -867,6 +914,9 @@ class _BackwardPlan:
         if _poisoned():
             for g in grads:
                 g.fill_(float("nan"))
+        if self.fused:  # an accumulator: zeros, never poisoned
+            grads[0] = torch.zeros(self.shapes[0], dtype=torch.float32,
+                                   device=q.device)
         return grads
 
     def __call__(self, q, k, v, o, lse, do, seed):
@@ -882,7 +932,9 @@ class _BackwardPlan:
             self.statistics.point(arg, x.data_ptr())
         self.statistics.launch(self.row_grid, device.THREADS, stream)
         inputs = (q, k, v, do, stats, delta)
-        for packed, outs in ((self.dkv, (dk, dv)), (self.dq, (dq,))):
+        launches = (((self.dkv, (dk, dv, dq)),) if self.fused else
+                    ((self.dkv, (dk, dv)), (self.dq, (dq,))))
+        for packed, outs in launches:
             for arg, x in enumerate((*inputs, *outs)):
                 packed.point(arg, x.data_ptr())
             if self.rules.use_dropout:
@@ -890,7 +942,10 @@ class _BackwardPlan:
                 packed.put(len(inputs) + len(outs),
                            self.rules._fields.index("seed"), "Q", int(seed))
         self.dkv.launch(self.grids[0], self.threads[0], stream)
-        self.dq.launch(self.grids[1], self.threads[1], stream)
+        if self.fused:  # tau dS K, rounded once to q's dtype
+            dq = dq.mul_(self.tau).to(q.dtype)
+        else:
+            self.dq.launch(self.grids[1], self.threads[1], stream)
         if not self.grads16:  # per query head: sum each group's
             dk, dv = (self.call.group_sum(g.view(-1, *g.shape[-2:]))
                       for g in (dk, dv))

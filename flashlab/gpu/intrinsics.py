@@ -254,6 +254,37 @@ def global_address(typingctx, arr, index):
 
 
 @intrinsic
+def st_shared32(typingctx, dst, value):
+    """Store 32 bits (two 16-bit values packed as an int32) at .shared
+    address dst, in program order with the asm around it (a memory
+    clobber): what a fence.proxy.async then hands to wgmma."""
+    sig = types.void(types.uint32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "st.shared.b32 [$0], $1;", "r,r,~{memory}", None,
+             list(args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def red_add2(typingctx, address, x, y):
+    """Add float32 x and y to the two float32 at global `address` (8-byte
+    aligned, global_address) in one reduction, no value returned:
+    red.global.add.v2.f32 (sm_90), half the instructions of two atomic
+    adds."""
+    sig = types.void(types.uint64, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "red.global.add.v2.f32 [$0], {$1, $2};",
+             "l,f,f,~{memory}", None, list(args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def cp_async16(typingctx, dst, src, nbytes):
     """Copy 16 bytes global -> shared without the registers (cp.async.cg).
 

@@ -154,7 +154,8 @@ KERNELS = (
              shared=functools.partial(backward_v7.shared_bytes, part),
              grads16=True)
       for part, make in (("dq", backward_v7.make_dq),
-                         ("dkv", backward_v7.make_dkv))
+                         ("dkv", backward_v7.make_dkv),
+                         ("fused", backward_v7.make_fused))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
@@ -287,6 +288,10 @@ def argument_types(args):
                                 *common),
         "backward16_dkv_pairs": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                  int32[:, :, ::1], *common),
+        # and dQ, float32, summed into by atomics (backward_v7.make_fused)
+        "backward16_fused_pairs": (h3, h3, h3, h3, a2, a2,
+                                   int32[:, :, ::1], int32[:, :, ::1], a3,
+                                   *common),
         "combine": (a3, a2, a3, a2, float32),
         "row_dot": (a3, a3, a2),
         "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),

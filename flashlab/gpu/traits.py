@@ -49,6 +49,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "backward16_dq": ("dq",), "backward16_dkv": ("dk", "dv"),
            "backward16_dq_pairs": ("dq",),
            "backward16_dkv_pairs": ("dk", "dv"),
+           "backward16_fused_pairs": ("dk", "dv", "dq"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
            "find_parts": ("parts",),
@@ -189,6 +190,7 @@ LAYOUTS = {
     "backward_v5.make_dq": functools.partial(_backward16, keys=False),
     "backward_v7.make_dkv": functools.partial(_backward_wgmma, keys=True),
     "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
+    "backward_v7.make_fused": functools.partial(_backward_wgmma, keys=True),
 }
 
 

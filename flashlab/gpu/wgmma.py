@@ -53,7 +53,8 @@ def _product(body, registers, wait):
                         "wgmma.commit_group.sync.aligned;", *end, "}"])
 
 
-def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
+def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True,
+           trans_a=0):
     """acc = A B: `steps` k-steps of m64n<n>k16 (k32 for e4m3), A and B
     from shared memory.
 
@@ -62,7 +63,8 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
     descriptors of k-step 0; k-step s reads s a_step, s b_step bytes
     further on, or a_step[s], b_step[s] where they are tuples
     (compile-time constants: a swizzled tile's k-steps jump between
-    panels). trans_b = 1 reads B MN-major (16-bit kinds only). k-step 0
+    panels). trans_b = 1 reads B MN-major, trans_a = 1 A (16-bit kinds
+    only: dS stored as dS^T, keys x queries, is A of dQ = dS K). k-step 0
     ignores acc's old values (scale-d false): nothing needs zeroing.
     """
     regs = n // 2
@@ -74,7 +76,7 @@ def mma_ss(n, steps, a_step, b_step, kind, trans_b=0, wait=True):
                  f"add.s64 b{s}, ${regs + 1}, {b_at[s] >> 4};",
                  f"{_opcode(n, kind)} {d}, a{s}, b{s}, "
                  f"{'z' if s == 0 else 'p'}, 1, 1"
-                 f"{_trans(kind, 0, trans_b)};"]
+                 f"{_trans(kind, trans_a, trans_b)};"]
     ptx = _product(body, f"a<{steps}>, b<{steps}>", wait)
     constraints = ",".join(["=f"] * regs + ["l", "l"])
 
