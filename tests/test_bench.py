@@ -196,13 +196,14 @@ def test_training_suite_on_the_cpu_drops_the_missing_backend(tmp_path):
                            dtype="float32")
     rows = cli.measure(suite, str(tmp_path))
     _check_csv(tmp_path / "training.csv", rows, training.COLUMNS)
-    assert [r["impl"] for r in rows] == ["flashlab", "torch flash"] * 2
-    assert [r["vs_torch"] for r in rows][1::2] == [1.0, 1.0]
+    assert [r["impl"] for r in rows] == [
+        "flashlab", "flashlab atomic dq", "torch flash"] * 2
+    assert [r["vs_torch"] for r in rows][2::3] == [1.0, 1.0]
     # TFLOP/s from the row's own (rounded) ms, both rounded to 3 places:
     # they may differ by one unit of the last place, no more
     assert [r["tflops"] for r in rows] == pytest.approx([
         _costs_flops(c) / r["ms"] / 1e9
-        for c, r in zip([c for c in suite.cases for _ in "ab"], rows)],
+        for c, r in zip([c for c in suite.cases for _ in "abc"], rows)],
         abs=1.001e-3, rel=0)
 
 

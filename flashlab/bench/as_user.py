@@ -1,9 +1,12 @@
 """Attention as a model calls it, by name, for the torch-level suites.
 
-"flashlab" is flashlab.torch.attention; "torch sdpa" is torch's
-scaled_dot_product_attention choosing its own backend; "torch flash"
-and "torch cudnn" restrict it to one backend.
+"flashlab" is flashlab.torch.attention ("flashlab atomic dq" with
+deterministic=False: its backward may add dQ by atomics); "torch sdpa"
+is torch's scaled_dot_product_attention choosing its own backend;
+"torch flash" and "torch cudnn" restrict it to one backend.
 """
+
+import functools
 
 _BACKENDS = {"torch flash": "FLASH_ATTENTION",
              "torch cudnn": "CUDNN_ATTENTION"}
@@ -17,11 +20,14 @@ def attention(name):
 
     if name == "flashlab":
         return fl_torch.attention
+    if name == "flashlab atomic dq":  # the backward's dQ by atomics
+        return functools.partial(fl_torch.attention, deterministic=False)
     if name == "torch sdpa":
         return F.scaled_dot_product_attention
     if name not in _BACKENDS:
-        raise ValueError(f"name: expected 'flashlab', 'torch sdpa' or one "
-                         f"of {tuple(_BACKENDS)}, got {name!r}")
+        raise ValueError(f"name: expected 'flashlab', 'flashlab atomic "
+                         f"dq', 'torch sdpa' or one of {tuple(_BACKENDS)}, "
+                         f"got {name!r}")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, _BACKENDS[name])

@@ -63,14 +63,15 @@ def forward_rows(sizes=SIZES):
     return runner.run(dataclasses.replace(suite, cases=cases, csv=None))
 
 
-BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16", "torch flash bf16",
-            "torch cudnn bf16")
+BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
+            "flashlab v7 fused bf16", "torch flash bf16", "torch cudnn bf16")
 
 
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     """The bf16 backward alone, from a saved forward: backward_v5 and v7
-    (gpu.attention_backward) against torch's flash and cuDNN backwards
-    (autograd), per (d, N, causal)."""
+    (gpu.attention_backward; v7 deterministic, and fused with dQ by
+    atomics) against torch's flash and cuDNN backwards (autograd), per
+    (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,
                               dtype="bfloat16")
@@ -78,6 +79,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     impls = {("backward", "flashlab v5 bf16"): _saved_backward(5),
              ("backward", "flashlab v7 bf16"):
              tensor._hopper(_saved_backward(7)),
+             ("backward", "flashlab v7 fused bf16"):
+             tensor._hopper(_saved_backward(7, deterministic=False)),
              ("backward", "torch flash bf16"):
              tensor._backward("FLASH_ATTENTION"),
              ("backward", "torch cudnn bf16"):
@@ -85,11 +88,12 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     suite = runner.Suite("hopper backward", cases, tensor._inputs, impls,
                          timing.events, columns=report.FIELDS,
                          shown=report.SHOWN, csv=None,
-                         optional=("torch cudnn bf16", "flashlab v7 bf16"))
+                         optional=("torch cudnn bf16", "flashlab v7 bf16",
+                                   "flashlab v7 fused bf16"))
     return runner.run(suite)
 
 
-def _saved_backward(version):
+def _saved_backward(version, deterministic=True):
     """gpu.attention_backward of backward `version` from a saved forward
     (v8's, or v5's where there is no Hopper)."""
     def make(case, x):
@@ -97,7 +101,8 @@ def _saved_backward(version):
 
         o, lse = gpu.attention(*x[:3], causal=case.causal, return_lse=True)
         return lambda: gpu.attention_backward(
-            *x[:3], o, lse, x[3], causal=case.causal, version=version)
+            *x[:3], o, lse, x[3], causal=case.causal, version=version,
+            deterministic=deterministic)
     return make
 
 

@@ -12,7 +12,7 @@ training.csv. See the launch-path issue.
 from flashlab.bench import as_user, timing
 from flashlab.bench.runner import Case, Suite
 
-IMPLS = ("flashlab", "torch flash", "torch cudnn")
+IMPLS = ("flashlab", "flashlab atomic dq", "torch flash", "torch cudnn")
 SHAPES = (("fwd+bwd", 16, 12, 1024, 64, True),
           ("forward", 2, 8, 1024, 64, False),
           # the Hopper issue's training shapes, d = 128, causal
