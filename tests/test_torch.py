@@ -50,8 +50,11 @@ def test_matches_sdpa(rng, dtype, kind):
         if dtype == torch.float64:
             rel = err(mine, ref) / float(ref.abs().max())
             assert rel < 1e-10
-        else:  # at most twice torch float32's own error, floor 8 ulps
-            floor = 8 * EPS32 * max(1.0, float(ref.abs().max()))
+        else:  # at most twice torch float32's own error, floor 16 ulps:
+            # over 600 seeds both reach 10 ulps of max |ref| and torch's
+            # is at times under 1; with a floor of 8, rng seed 30127
+            # ("causal", dQ) met the bound exactly
+            floor = 16 * EPS32 * max(1.0, float(ref.abs().max()))
             assert err(mine, ref) <= max(2 * err(sdpa, ref), floor)
 
 
@@ -160,5 +163,15 @@ def test_huge_scores_lose_no_more_than_torch(rng):
             got = (out, *torch.autograd.grad(out, (q, k, v), do))
             errs[name] = [float(np.max(np.abs(a.detach().numpy() - t)))
                           for a, t in zip(got, truth)]
-        for ours, theirs in zip(errs["ours"], errs["torch"]):
-            assert ours <= 4 * theirs + 1e-15
+        # most rows are one-hot and exact in both, so the errors are a
+        # few near ties' rounding: ours within 4x of torch's on most
+        # draws, not all (about 1 seed in 110 had torch's 4 to 18 times
+        # below ours). Below a floor only the conditioning is asked for:
+        # a score |s| <= s_max is known to u s_max, which moves P by up
+        # to twice that relatively, and each result by as much of its
+        # size; over 900 seeds both programs reach 0.9 of that floor
+        s_max = float(np.abs(q.detach().numpy() @ np.swapaxes(
+            k.detach().numpy(), -1, -2)).max()) / 4  # scale 1/sqrt(16)
+        for ours, theirs, t in zip(errs["ours"], errs["torch"], truth):
+            floor = 2 * 2.0**-53 * s_max * max(1.0, float(np.abs(t).max()))
+            assert ours <= max(4 * theirs, floor)

@@ -4,7 +4,7 @@ The drop-in routes CPU calls to flashlab.cpu, forward and backward, for
 every rule those kernels take, and to flashlab.tiled (the numpy program)
 for the rest. Each routed call is checked against the same call forced
 onto tiled: float64 within 1e-12 of it, float32 at most twice tiled's
-own float32 error against float64 (floor 8 ulps).
+own float32 error against float64 (or FLOOR_ULPS ulps, if more).
 """
 
 import numpy as np
@@ -16,6 +16,15 @@ from flashlab import torch as fl_torch
 from helpers import EPS32
 
 B, H, NQ, NK, D, DV = 2, 4, 45, 67, 16, 8
+
+# The float32 floor, in ulps (EPS32) of the largest |truth|: "at most
+# twice the other program's error" is asked only above it. A gradient
+# entry sums up to 2 NQ = 90 float32 products (dK, dV under GQA), whose
+# roundings add like a random walk, sqrt(90) ~ 10 half-ulps a standard
+# deviation; measured over 300 seeds, both programs reach 10 ulps, the
+# other's error is as low as 2 on some draws, and a floor of 8 failed a
+# run about once in 150 (rng seed 3093, "add" float32 rank 4 GQA: dK).
+FLOOR_ULPS = 16
 
 CASES = {
     "plain": dict(),
@@ -111,8 +120,8 @@ def test_routed_path_gives_what_tiled_gives(rng, monkeypatch, case, dtype):
         scale = max(1.0, float(ref.abs().max()))
         if dtype == torch.float64:  # both exact: orders of rounding only
             assert _err(mine, theirs) / scale < 1e-12, name
-        else:  # float32: as good as the numpy program, floor 8 ulps
-            floor = 8 * EPS32 * scale
+        else:  # float32: as good as the numpy program, with a floor
+            floor = FLOOR_ULPS * EPS32 * scale
             assert _err(mine, ref) <= max(2 * _err(theirs, ref), floor), \
                 name
 
@@ -229,9 +238,9 @@ def test_additive_masks_match_sdpa_math(rng, kind, dtype, rank, gqa):
     # same way; rows fully masked by a finite fill attend every key as
     # SDPA's do (rows of -inf only are left out: SDPA gives NaN there,
     # flashlab 0). float64: 1e-10, a few merges of rounding; float32:
-    # against SDPA's float64, within twice SDPA's own float32 error
-    # (floor 8 ulps). -1e9 in float32 rounds every fully masked score to
-    # the fill in flashlab and in SDPA alike, not in float64: left out.
+    # against SDPA's float64, within twice SDPA's own float32 error (or
+    # FLOOR_ULPS ulps). -1e9 in float32 rounds every fully masked score
+    # to the fill in flashlab and in SDPA alike, not in float64: left out.
     kw = dict(enable_gqa=True) if gqa else {}
     h_kv = H // 2 if gqa else H
     shapes = ((B, H, NQ, D), (B, h_kv, NK, D), (B, h_kv, NK, DV))
@@ -252,5 +261,5 @@ def test_additive_masks_match_sdpa_math(rng, kind, dtype, rank, gqa):
         if dtype == torch.float64:
             assert _err(a, w) < 1e-10, name
         else:
-            floor = 8 * EPS32 * max(1.0, float(w.abs().max()))
+            floor = FLOOR_ULPS * EPS32 * max(1.0, float(w.abs().max()))
             assert _err(a, w) <= max(2 * _err(t, w), floor), name
