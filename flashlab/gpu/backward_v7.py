@@ -246,8 +246,8 @@ def make_dkv(D, D_V, kind="bf16"):
 
 
 def make_fused(D, D_V, kind="bf16"):
-    """make_dkv's kernel that also adds dQ = dS K of every tile pair to a
-    float32 dQ by atomics: five products a tile pair, not seven."""
+    """make_dkv's kernel that also adds dQ = tau dS K of every tile pair to
+    a float32 dQ by atomics: five products a tile pair, not seven."""
     return _make_keys(D, D_V, kind, with_dq=True)
 
 
@@ -297,7 +297,7 @@ def _make_keys(D, D_V, kind, with_dq):
         # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
         # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present; dq
-        # (fused): float32 (BH, Nq, d), unscaled dS K summed into it
+        # (fused): float32 (BH, Nq, d), tau dS K summed into it
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
         # row_terms (shift, zn, dl) of each stage's queries
         terms = cuda.shared.array((2, 3, STREAMED), float32)
@@ -409,7 +409,7 @@ def _make_keys(D, D_V, kind, with_dq):
             start_dq(gq, ds_desc, kq_desc)
             k_wait(gk, da)
             finish_dq(gq, dq, b, i0 + 16 * (w % 4) + lane // 4, nq,
-                      (0 if OWN_KEYS else 64 * (w // 4)) + tq)
+                      (0 if OWN_KEYS else 64 * (w // 4)) + tq, tau)
             g, it = gn, itn
             now = 1 - now
         store_k(gk, dk, bk, key, nk, lane % 4, tau)
@@ -463,17 +463,17 @@ def _dq_hooks(D, kind):
         q_issue(gq, ds_desc, kq_desc)
 
     @inline
-    def finish_dq(gq, dq, b, row, nq, col):
+    def finish_dq(gq, dq, b, row, nq, col, tau):
         # C fragment (n, x): query row + 8 (x >> 1), column col + 8 n +
-        # (x & 1) of dQ, a pair of neighbours per reduction (col even);
-        # rows past Nq are not there
+        # (x & 1) of dQ, a pair of neighbours per reduction (col even),
+        # times tau; rows past Nq are not there
         q_wait(gq)
         for h in range(2):
             if row + 8 * h < nq:
                 at = global_address(dq, (b, row + 8 * h, col))
                 for n in range(8):
-                    red_add2(at + uint64(32 * n), gq[n, 2 * h],
-                             gq[n, 2 * h + 1])
+                    red_add2(at + uint64(32 * n), gq[n, 2 * h] * tau,
+                             gq[n, 2 * h + 1] * tau)
 
     return keep_ds, start_dq, finish_dq
 
@@ -489,7 +489,7 @@ def _no_start(gq, ds_desc, kq_desc):
 
 
 @inline
-def _no_finish(gq, dq, b, row, nq, col):
+def _no_finish(gq, dq, b, row, nq, col, tau):
     pass
 
 

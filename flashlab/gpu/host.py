@@ -395,7 +395,7 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]
     keys_tr = traits.traits(names[0], d, d_v)
-    if names[1] is None:  # fused: dS K summed into float32 by atomics
+    if names[1] is None:  # fused: tau dS K summed in float32 by atomics
         return _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype)
     if registry.get(names[0]).grads16:  # 16-bit pairs, per K/V head
         bh_k = call.bh_kv
@@ -425,8 +425,8 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
 
 def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
     """_backward16 by v7's fused kernel: dK, dV as 16-bit pairs per K/V
-    head, dS K added to a zeroed float32 dQ, then dQ = tau (dS K) rounded
-    once to q's dtype."""
+    head, tau dS K added to a zeroed float32 dQ, then rounded once to q's
+    dtype."""
     bh, nq, nk = call.bh, call.nq, call.nk
     (dk, dk_k), (dv, dv_k) = (
         (out, _pairs(view)) for out, view in (
@@ -438,7 +438,6 @@ def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
             (math.ceil(nk / keys_tr.br), call.bh_kv), keys_tr.threads,
             call.stream](*arrays, dk_k, dv_k, dq32, *call.args)
     dq32 = call.result(dq32, (*call.heads, nq, d))
-    dq32 *= float(call.args[0].scale)  # float32: one rounding below
     return (call.arrays.narrow(dq32, q),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
@@ -829,7 +828,7 @@ class _BackwardPlan:
     float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
     (warp.row_dot16), the dK/dV and the dQ kernels from their packed
     buffers; or, with v7's fused kernel (names[1] None), that kernel on a
-    zeroed float32 dQ, which it adds to, then tau dQ in q's dtype."""
+    zeroed float32 dQ, which it adds tau dS K to, then dQ in q's dtype."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
@@ -852,7 +851,6 @@ class _BackwardPlan:
         self.grids = ((math.ceil(nk / dkv_tr.br), bh_k),
                       (math.ceil(nq / dq_tr.br), bh))
         self.threads = (dkv_tr.threads, dq_tr.threads)
-        self.tau = float(self.rules.scale)
         self.out_shapes = ((*call.heads, nq, d), (*k.shape[:-2], nk, d),
                            (*v.shape[:-2], nk, d_v))
         self.shapes = (self.out_shapes if self.grads16 else (
@@ -942,8 +940,8 @@ class _BackwardPlan:
                 packed.put(len(inputs) + len(outs),
                            self.rules._fields.index("seed"), "Q", int(seed))
         self.dkv.launch(self.grids[0], self.threads[0], stream)
-        if self.fused:  # tau dS K, rounded once to q's dtype
-            dq = dq.mul_(self.tau).to(q.dtype)
+        if self.fused:  # the float32 sum, rounded once to q's dtype
+            dq = dq.to(q.dtype)
         else:
             self.dq.launch(self.grids[1], self.threads[1], stream)
         if not self.grads16:  # per query head: sum each group's
