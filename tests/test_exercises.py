@@ -183,6 +183,13 @@ def test_chapter12_answers_match_the_kernel_and_the_model():
     assert np.array_equal(got, np.stack([t.ravel(), k.ravel()], -1))
     desc = exercises.solution("descriptor")(0x12340, 128, 2048)
     assert fragments.descriptor_fields(desc) == (0x12340, 128, 2048)
+    # and the fused backward's dS^T places are the ones its kernel stores
+    # at (fragments.a_pair_offset, compiled into backward_v7)
+    t, kp, r = (x.ravel() for x in np.meshgrid(
+        np.arange(256), np.arange(4), np.arange(4), indexing="ij"))
+    got = exercises.solution("ds_tile_place")(t, kp, r)
+    assert got.tolist() == [fragments.a_pair_offset(*map(int, x))
+                            for x in zip(t, kp, r)]
 
 
 def test_chapter12_parities_are_the_ones_forward_v8_waits_on():

@@ -552,3 +552,86 @@ register("register_budget", Exercise(
       _budget_no_producer),
      ("setmaxnreg takes at most 256 registers a thread",
       _budget_uncapped))))
+
+# ---------------------------------------------------------- ds_tile_place
+
+
+def _model_ds_places(t, kp, r):
+    """Byte offsets from the models: the A fragment place of register r
+    (fragments.wgmma_a_places), in warpgroup t // 128's rows of a
+    one-panel 128-byte-swizzled tile (fragments.panel_offset)."""
+    places = fragments.wgmma_a_places()[t % 128, r, 0]  # (n, 2) half 0
+    rows = 64 * (t // 128) + places[:, 0]
+    cols = 16 * kp + places[:, 1]
+    return np.array([fragments.panel_offset(int(a), int(c) // 8, 128)
+                     for a, c in zip(rows, cols)]) + 2 * (cols % 8)
+
+
+def _cases_ds_tile_place(rng):
+    t, kp, r = (x.ravel() for x in np.meshgrid(
+        np.arange(256), np.arange(4), np.arange(4), indexing="ij"))
+    out = [Case("every register of both warpgroups", (t, kp, r),
+                _model_ds_places(t, kp, r))]
+    t, kp, r = (rng.integers(0, n, 20) for n in (256, 4, 4))
+    out.append(Case("random registers", (t, kp, r),
+                    _model_ds_places(t, kp, r)))
+    return out
+
+
+def ds_tile_place(t, kp, r):
+    """Chapter 12: byte offsets (n,) in the fused backward's dS^T tile
+    (128 keys x 64 queries, one panel, 128-byte swizzled) of the pair
+    that A register r of k-step kp of thread t holds.
+
+    Warpgroup t // 128 owns keys 64 on; in it, warp w's rows 16 w + G and
+    16 w + G + 8 (registers r % 2 = 0, 1) and columns 16 kp + 2 t' and 8
+    more (r // 2), where lane = 4 G + t'. Row `row`'s chunk c lies at
+    chunk c ^ (row % 8) of its 128 bytes.
+    """
+    warp, lane = (t % 128) // 32, t % 32
+    row = 64 * (t // 128) + 16 * warp + lane // 4 + 8 * (r % 2)
+    chunk = 2 * kp + r // 2
+    return 128 * row + 16 * (chunk ^ (row % 8)) + 4 * (lane % 4)
+
+
+def _ds_place_one_warpgroup(t, kp, r):
+    warp, lane = (t % 128) // 32, t % 32
+    row = 16 * warp + lane // 4 + 8 * (r % 2)
+    chunk = 2 * kp + r // 2
+    return 128 * row + 16 * (chunk ^ (row % 8)) + 4 * (lane % 4)
+
+
+def _ds_place_unswizzled(t, kp, r):
+    warp, lane = (t % 128) // 32, t % 32
+    row = 64 * (t // 128) + 16 * warp + lane // 4 + 8 * (r % 2)
+    return 128 * row + 16 * (2 * kp + r // 2) + 4 * (lane % 4)
+
+
+def _ds_place_bits_swapped(t, kp, r):
+    warp, lane = (t % 128) // 32, t % 32
+    row = 64 * (t // 128) + 16 * warp + lane // 4 + 8 * (r // 2)
+    chunk = 2 * kp + r % 2
+    return 128 * row + 16 * (chunk ^ (row % 8)) + 4 * (lane % 4)
+
+
+def _ds_place_half_pairs(t, kp, r):
+    warp, lane = (t % 128) // 32, t % 32
+    row = 64 * (t // 128) + 16 * warp + lane // 4 + 8 * (r % 2)
+    chunk = 2 * kp + r // 2
+    return 128 * row + 16 * (chunk ^ (row % 8)) + 2 * (lane % 4)
+
+
+register("ds_tile_place", Exercise(
+    12, "ds_tile_place(t (n,), kp (n,), r (n,)) -> int array (n,): the "
+    "byte offset in the fused backward's swizzled dS^T tile (128 keys x "
+    "64 queries) of the pair in A register r of k-step kp of thread t",
+    _cases_ds_tile_place, ds_tile_place,
+    (("the block's two warpgroups own 64 keys each: thread t's rows start "
+      "at 64 (t // 128)", _ds_place_one_warpgroup),
+     ("the tile is 128-byte swizzled: chunk c of a row sits at c ^ (row % "
+      "8)", _ds_place_unswizzled),
+     ("in an A fragment, registers 1 and 3 are 8 rows down and 2 and 3 "
+      "8 columns on (r % 2 picks the row, r // 2 the column half)",
+      _ds_place_bits_swapped),
+     ("a register holds a pair of 16-bit values: lane t' of its quad "
+      "starts 4 t' bytes into the chunk", _ds_place_half_pairs))))
