@@ -292,8 +292,7 @@ def _make_keys(D, D_V, kind, with_dq):
     lbo_d, sbo_d, _ = fragments.mn_major_128b(BK)
 
     @inline
-    def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len,
-                   mask):
+    def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask):
         # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
         # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present; dq
