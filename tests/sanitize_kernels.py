@@ -38,17 +38,26 @@ def forward_calls(d):
 
 def backward16(rng):
     """The tensor-core backward (float16 numpy inputs), ragged and
-    grouped, masked and not."""
-    for kv_heads, opts in ((2, dict()), (1, dict(causal=True,
-                                                 window=(20, 3)))):
-        q = rng.standard_normal((1, 2, 77, 64)).astype(np.float16)
-        k, v = (rng.standard_normal((1, kv_heads, 90, 64)).astype(
-            np.float16) for _ in range(2))
-        o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
-        grads = gpu.attention_backward(q, k, v, o, lse, np.ones_like(q),
-                                       **opts)
-        assert all(np.isfinite(g).all() for g in grads)
-    print("the 16-bit backward ran")
+    grouped, masked and not; on Hopper also the fused kernel (dQ by
+    atomics, deterministic=False), which must agree with the two."""
+    for d in (64, 128):
+        for kv_heads, opts in ((2, dict()), (1, dict(causal=True,
+                                                     window=(20, 3)))):
+            q = rng.standard_normal((1, 2, 77, d)).astype(np.float16)
+            k, v = (rng.standard_normal((1, kv_heads, 90, d)).astype(
+                np.float16) for _ in range(2))
+            do = rng.standard_normal(q.shape).astype(np.float16)
+            o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
+            runs = [gpu.attention_backward(q, k, v, o, lse, do,
+                                           deterministic=flag, **opts)
+                    for flag in (True, False)]
+            for g, g2 in zip(*runs):
+                assert np.isfinite(g).all() and np.isfinite(g2).all()
+                # float16: the two round float32 sums once each
+                scale = float(np.abs(g.astype(np.float32)).max())
+                assert np.abs(g.astype(np.float32) - g2).max() <= (
+                    2.0**-9 * scale), d
+    print("the 16-bit backward ran, both ways")
 
 
 def tensor_cores(rng):
