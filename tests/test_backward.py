@@ -100,8 +100,14 @@ def test_float32_within_twice_naive_error(rng, opts):
     want = torch_reference(q, k, v, do, keep, 0.25)
     # naive float32: the same materialized autograd, in float32
     naive = torch_reference(q, k, v, do, keep, 0.25, dtype=torch.float32)
+    # twice naive float32's error, or 16 ulps of max |w| if more: each
+    # entry sums 38 to 45 float32 products, which tiled adds block by
+    # block (blocks of 3 and 4 keys: a rounding per block more). Over
+    # 800 seeds ours reached 9 ulps while naive's was at times under 1;
+    # a floor of 8 failed rng seed 40062 (bottom_right, dQ), about one
+    # run in 400
     for g, n, w in zip(grads, naive, want):
-        floor = 8 * EPS32 * max(1.0, float(np.max(np.abs(w))))
+        floor = 16 * EPS32 * max(1.0, float(np.max(np.abs(w))))
         assert max_abs_err(g, w) <= max(2 * max_abs_err(n, w), floor)
 
 

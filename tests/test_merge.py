@@ -8,16 +8,29 @@ from hypothesis import strategies as st
 from flashlab import merge, reference
 from helpers import max_abs_err
 
+EPS64 = float(np.finfo(np.float64).eps)
+
 
 def direct(scores, values):
     """Stable softmax-weighted sum of values over all scores at once."""
     return reference.softmax(scores) @ values
 
 
+def average_tol(v):
+    """Two float64 orders of a softmax average of the rows of v (C, d_v):
+    each is off by at most C + 2 half-ulps of max |v| (C products, C - 1
+    additions and the division, with weights summing to 1), so they
+    differ by at most C + 2 ulps of it."""
+    return (v.shape[-2] + 2) * EPS64 * float(np.abs(v).max())
+
+
 def test_summary_output_is_softmax_average(rng):
+    # 1e-15 was 2 ulps of values in [2, 4): 6 seeds in 20000 exceeded
+    # it (rng seed 4312); the worst of them is 2.5 ulps of max |v|
     s = rng.standard_normal(11) * 3
     v = rng.standard_normal((11, 4))
-    assert max_abs_err(merge.summarize(s, v).output(), direct(s, v)) < 1e-15
+    err = max_abs_err(merge.summarize(s, v).output(), direct(s, v))
+    assert err <= average_tol(v)
 
 
 def test_merge_of_any_split_is_exact(rng):
@@ -82,7 +95,7 @@ def test_partially_masked_block(rng):
     with np.errstate(all="raise"):
         out = merge.summarize(s, v).output()
     assert np.allclose(out[0], v[4], rtol=0, atol=1e-15)
-    assert max_abs_err(out, direct(s, v)) < 1e-15
+    assert max_abs_err(out, direct(s, v)) <= average_tol(v)
 
 
 blocks = st.lists(
