@@ -324,14 +324,23 @@ def test_additive_mask_under_per_element_diagonals(rng):
 def _float32_grads_ok(got, q, k, v, o, lse, do, **opts):
     """float32 gradients against float64 truth: at most twice the error
     of tiled's float32 gradients (the numpy program, same rounding
-    steps), floored at 8 ulps of the largest gradient."""
+    steps), floored at 16 ulps of the largest of the three gradients.
+
+    One scale for all three: with a single key (nk = 1) dS = P (dP - D)
+    cancels to 0, and so do dQ and dK, but the roundings of dP and D it
+    leaves are of the size of the other gradients, not of 0; the kernels
+    put 9 to 13 ulps of 1 into such a dK where the numpy program's orders
+    cancel exactly (rng seed 60034 of test_additive_masks_float32, nk = 1,
+    failed). 16, not 8: over 400 seeds the kernels reach 13 ulps while
+    the numpy program's error is at times under 1."""
     rules = {x: y for x, y in opts.items() if x not in ("block_q",
                                                         "block_k")}
     truth = _reference_grads(q, k, v, do, **rules)
     numpy32 = tiled.attention_backward(q, k, v, o, lse, do, **opts)
+    scale = max(1.0, *(float(np.abs(w).max(initial=0)) for w in truth))
     for g, t, w in zip(got, numpy32, truth):
         assert g.dtype == np.float32
-        floor = 8 * EPS32 * max(1.0, float(np.abs(w).max()))
+        floor = 16 * EPS32 * scale
         assert max_abs_err(g, w) <= max(2 * max_abs_err(t, w), floor)
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flashlab import reference, tiled
-from helpers import float32_budget, max_abs_err, qkv
+from helpers import EPS32, float32_budget, max_abs_err, qkv
 
 CAUSAL = [False, True, "top_left", "bottom_right"]
 
@@ -47,7 +47,16 @@ def test_float32_within_twice_naive_error(rng, causal, trial, order):
     err_naive = max_abs_err(reference.naive(q, k, v, causal=causal), o_ref)
     assert o.dtype == np.float32
     merges = -(-nk // bk)
-    assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
+    # scores up to ~20 (spread 2) are themselves rounded in float32, each
+    # to half an ulp of s_max, which moves P by up to twice that
+    # relatively and o by as much of max |v|: both programs carry that,
+    # each its own way, so twice naive's error is no bound below it. Rng
+    # seed 74422 (one key block) had ours at 9 ulps, naive's at 3.4:
+    # 0.91 of the budget alone; over 20000 seeds at most 0.6 of this
+    s_max = float(np.abs(reference.scores(q, k)).max(initial=0))
+    conditioning = EPS32 * s_max * float(np.abs(v).max(initial=0))
+    assert max_abs_err(o, o_ref) <= max(
+        float32_budget(err_naive, o_ref, merges), conditioning)
 
 
 def test_boolean_mask_with_fully_masked_rows(rng):
