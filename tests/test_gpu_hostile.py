@@ -26,7 +26,7 @@ from flashlab.gpu import (
     traits,
     warp,
 )
-from helpers import max_abs_err, qkv
+from helpers import EPS32, max_abs_err, qkv
 
 # 16-bit unit roundoff; for chapter 9's float32 backward, P's ex2.approx
 # (2 ulps) and float32 rounding
@@ -213,7 +213,11 @@ def test_lossy_rows_among_ordinary_ones(rng, d, opts):
     got = backward32(q, k, v, o, lse, do, **kw)
     want = tiled.attention_backward(*(x.astype(np.float64) for x in (
         q, k, v, o, lse, do)), **kw)
-    check(got, want)
+    # an ordinary row's float32 score is off by up to EPS32 sum |q_c k_c|
+    # (60 to 90 at d = 96, scale 1): P, and each gradient, moves by that
+    # much relative, a few times over (the lossy rows' scores are exact)
+    s_abs = np.abs(q) @ np.repeat(np.abs(k), 2, 1).swapaxes(-1, -2)
+    check(got, want, max(1e-5, 4 * EPS32 * float(s_abs[~lossy].max())))
 
 
 def test_row_statistics_are_the_rows_max_and_sum(rng):

@@ -411,6 +411,9 @@ class _Slots:
 
         self.host = cuda.pinned_array((self.SLOTS, 48), np.uint64)
         self.device = cuda.device_array((self.SLOTS, 48), np.uint64)
+        # its address, read once: numba builds the interface dict anew
+        # at every reading, and a launch needs only this number
+        self.base = self.device.__cuda_array_interface__["data"][0]
         self.copied = [None] * self.SLOTS  # each slot's copy event
         self.keys = [None] * self.SLOTS
         self.slot_of = {}
@@ -433,8 +436,7 @@ class _Slots:
             self.copied[slot] = cuda.event(timing=False)
             self.copied[slot].record(on)
             self.keys[slot], self.slot_of[key] = key, slot
-        return (self.device.__cuda_array_interface__["data"][0]
-                + slot * 48 * 8)
+        return self.base + slot * 48 * 8
 
 
 _SLOTS = []  # the one _Slots, made at the first launch
