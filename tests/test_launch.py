@@ -184,3 +184,60 @@ def test_ptx_params_reads_the_entry():
     assert launch.code_kinds((("Q", "B"), ("f",))) == [
         (False, 8), (False, 1), (True, 4)]
     assert struct.calcsize("<Q") == 8
+
+
+def test_plan_keys_hold_what_the_checks_read(monkeypatch):
+    # host._fast_key on CPU tensors (the properties it reads are the same
+    # as on CUDA ones), as off the simulator: equal calls share a key,
+    # any difference in shape, dtype, choice or option gives another, and
+    # what a plan cannot run gets none
+    import torch
+
+    from flashlab.gpu import host
+
+    monkeypatch.setattr(host.config, "ENABLE_CUDASIM", False)
+
+    def options(**kw):
+        return dict(dict(block_q=None, block_k=None, scale=None,
+                         causal=False, mask=None, window=None,
+                         kv_lengths=None, dropout_p=0.0, align=None), **kw)
+
+    def tensors(n=128, dtype=torch.bfloat16):
+        return [torch.zeros(1, 4, n, 64, dtype=dtype) for _ in range(3)]
+
+    q, k, v = tensors()
+    key = host._fast_key(q, k, v, ("forward",), options())
+    assert key is not None and hash(key) is not None
+    assert host._fast_key(*tensors(), ("forward",), options()) == key
+    different = [
+        host._fast_key(*tensors(n=129), ("forward",), options()),
+        host._fast_key(*tensors(dtype=torch.float16), ("forward",),
+                       options()),
+        host._fast_key(q, k, v, ("backward",), options()),
+        host._fast_key(q, k, v, ("forward",), options(causal=True)),
+        host._fast_key(q, k, v, ("forward",), options(window=[8, 0])),
+        host._fast_key(q, k, v, ("forward",), options(scale=0.5)),
+        host._fast_key(q, k, v, ("forward",), options(dropout_p=0.1)),
+        host._fast_key(q, k, v, ("backward",), options(),
+                       saved=(q, q[..., 0].float(), q)),
+    ]
+    assert None not in different
+    assert len({key, *different}) == len(different) + 1
+    # a strided view has a plan (copied per call); a misaligned
+    # contiguous one, an empty one, a mask, padding, numpy input or an
+    # unhashable option have none
+    strided = q.transpose(1, 2)
+    assert host._fast_key(strided, strided, strided, ("f",),
+                          options()) is not None
+    odd = torch.zeros(1 + q.numel(), dtype=q.dtype)[1:].view(q.shape)
+    assert odd.is_contiguous() and odd.data_ptr() % 16
+    empty = q[:, :, :0]
+    mask = np.ones((128, 128), bool)
+    for args, opts in (((odd, k, v), options()), ((q, empty, v), options()),
+                       ((q, k, v), options(mask=mask)),
+                       ((q, k, v), options(kv_lengths=np.ones(4))),
+                       ((q, k, np.zeros(v.shape, np.float32)), options()),
+                       ((q, k, v), options(scale=[0.5]))):
+        assert host._fast_key(*args, ("f",), opts) is None
+    assert host._fast_key(q, k, v, ("f",), options(),
+                          saved=(np.zeros(3),)) is None

@@ -15,6 +15,7 @@ import math
 import numbers
 
 import numpy as np
+from numba import config
 
 from flashlab import kernel_args, tiled
 from flashlab._validate import check_flag
@@ -707,27 +708,29 @@ def _fast_key(q, k, v, choice, options, saved=()):
     contiguous per call (`_dense`), contiguous tensors must be 16-byte
     aligned. Everything else takes the general path, which validates
     every call from scratch. The key holds everything the checks read,
-    so a call that finds a plan needs none of them.
+    so a call that finds a plan needs none of them. Every call pays for
+    this function: one pass over the tensors, reading each property once.
     """
-    from numba import config
-
     if (config.ENABLE_CUDASIM or options["mask"] is not None
-            or options["kv_lengths"] is not None
-            or not all(is_torch(x)
-                       for x in (q, k, v, *saved))):
+            or options["kv_lengths"] is not None or not is_torch(q)):
         return None
+    where = q.get_device()  # the CUDA index (-1 off a GPU)
+    shapes, dtypes = [], []
     for x in (q, k, v, *saved):
-        if ((x.is_contiguous() and x.data_ptr() % 16) or not x.numel()
-                or x.device != q.device):
+        if not is_torch(x):
             return None
+        shape = tuple(x.shape)
+        if (0 in shape or x.get_device() != where
+                or (x.is_contiguous() and x.data_ptr() % 16)):
+            return None
+        shapes.append(shape)
+        dtypes.append(x.dtype)
     window = options["window"]
     try:
-        key = (*(tuple(x.shape) for x in (q, k, v, *saved)),
-               *(x.dtype for x in (q, k, v, *saved)), q.device.index,
-               choice,
+        key = (*shapes, *dtypes, where, choice,
                None if window is None else tuple(window),
-               *(options[n] for n in ("block_q", "block_k", "scale",
-                                      "causal", "dropout_p", "align")))
+               options["block_q"], options["block_k"], options["scale"],
+               options["causal"], options["dropout_p"], options["align"])
         hash(key)
     except TypeError:  # an unhashable option: validated the long way
         return None
