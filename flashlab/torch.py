@@ -314,10 +314,13 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
                      causal=False, window=None, align=None, dropout_p=0.0,
-                     seed=None, block_q=None, block_k=None):
+                     seed=None, block_q=None, block_k=None,
+                     deterministic=True):
     """Differentiable attention over a packed batch (`flashlab.varlen`):
     q (total_q, H, d), k (total_k, H_kv, d), v (total_k, H_kv, d_v), each
-    sequence on its own lengths; -> (total_q, H, d_v)."""
+    sequence on its own lengths; -> (total_q, H, d_v). deterministic as
+    `attention`'s."""
+    deterministic = check_flag("deterministic", deterministic)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x, q)
         if x.dim() != 3:
@@ -342,7 +345,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
             continue
         o_b = attention(*(x[r].transpose(0, 1) for x, r in (
             (q, rq), (k, rk), (v, rk))), enable_gqa=k.shape[1] !=
-            q.shape[1], **varlen.sequence_options(options, b))
+            q.shape[1], deterministic=deterministic,
+            **varlen.sequence_options(options, b))
         outs.append(o_b.transpose(0, 1))
     return torch.cat(outs, 0) if outs else _zeros_of(
         q, k, v, (0, q.shape[1], v.shape[2]))

@@ -101,13 +101,19 @@ def test_torch_varlen_gradients(rng, causal, window):
     do = rng.standard_normal((q.shape[0], 4, 6))
     want, grads = expected(q, k, v, cu_q, cu_k, causal, window, do)
     x = [torch.tensor(a, requires_grad=True) for a in (q, k, v)]
-    out = fl_torch.varlen_attention(*x, torch.tensor(cu_q),
-                                    torch.tensor(cu_k), causal=causal,
-                                    window=window, align="bottom_right")
-    got = torch.autograd.grad(out, x, torch.tensor(do))
-    assert np.max(np.abs(out.detach().numpy() - want)) < 1e-12
-    for a, b in zip(got, grads):
-        assert np.max(np.abs(a.numpy() - b)) < 1e-12
+    # deterministic=False is the GPU kernels' choice: the same on a CPU
+    for flag in (True, False):
+        out = fl_torch.varlen_attention(*x, torch.tensor(cu_q),
+                                        torch.tensor(cu_k), causal=causal,
+                                        window=window, align="bottom_right",
+                                        deterministic=flag)
+        got = torch.autograd.grad(out, x, torch.tensor(do))
+        assert np.max(np.abs(out.detach().numpy() - want)) < 1e-12
+        for a, b in zip(got, grads):
+            assert np.max(np.abs(a.numpy() - b)) < 1e-12
+    with pytest.raises(TypeError, match="deterministic: expected True"):
+        fl_torch.varlen_attention(*x, torch.tensor(cu_q),
+                                  torch.tensor(cu_k), deterministic="no")
 
 
 def test_sequences_draw_their_own_dropout(rng):
