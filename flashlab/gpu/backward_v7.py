@@ -1,8 +1,9 @@
 """Backward v7: backward_v5's two kernels on Hopper's warpgroup MMA.
 
 bf16 or float16, sm_90a only. Deterministic and without atomics, as
-backward_v5: one kernel accumulates dQ per block of queries, the other
-dK and dV per block of keys, so dQ's S and dP are formed twice (seven
+backward_v5 (unless the caller allows them: `make_fused` below): one
+kernel accumulates dQ per block of queries, the other dK and dV per
+block of keys, so dQ's S and dP are formed twice (seven
 products a tile pair where a backward with atomics needs five). Each
 warpgroup of a block owns 64 rows of its tiles, and all of them read the
 streamed tiles of the other side, double-buffered (`GROUPS` says how
@@ -17,6 +18,11 @@ many a block has):
   (64 queries) stream with their rows' statistics. S^T = K_j Q_i^T and
   dP^T = V_j dO_i^T from shared memory, then dV_j += (P^T Z) dO_i and
   dK_j += dS^T Q_i with P^T and dS^T as register A operands.
+- `make_fused` (where the caller allows atomics: deterministic=False):
+  `make_dkv`'s kernel that also keeps each tile's dS^T in shared memory
+  and runs dQ_i = dS K_j from it (dS^T read MN-major as the A operand),
+  adding tau dQ_i to a float32 dQ by vector reductions: five products a
+  tile pair, and dQ's last bits vary with the order of the additions.
 
 Gradients leave in the inputs' 16-bit type, rounded once from their
 float32 accumulators (`make_store_pairs`), and dK, dV per K/V head: a
@@ -288,7 +294,7 @@ def _make_keys(D, D_V, kind, with_dq):
     # MN-major from 128-byte-swizzled tiles; the hooks are no-ops without
     keep_ds, start_dq, finish_dq = _dq_hooks(D, kind) if with_dq else (
         _no_ds, _no_start, _no_finish)
-    QSTEPS, OWN_KEYS = dq_split(D)
+    _, OWN_KEYS = dq_split(D)
     lbo_d, sbo_d, _ = fragments.mn_major_128b(BK)
 
     @inline
