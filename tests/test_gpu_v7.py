@@ -216,7 +216,8 @@ def test_backward_v7_against_float64_and_v5(rng, opts, d, d_v):
     # the wgmma backward on ragged Nq != Nk and unequal head dims (one
     # row, one key too), poisoned outputs: within twice backward_v5's
     # error against float64 on the same 16-bit inputs (v5 is held to
-    # torch's flash backward in test_gpu_tensor_cores), and repeatable
+    # torch's flash backward in test_gpu_tensor_cores), and repeatable;
+    # the fused kernel too
     import torch
 
     from flashlab import tiled
@@ -232,16 +233,23 @@ def test_backward_v7_against_float64_and_v5(rng, opts, d, d_v):
                    for ver in (7, 5))
         again = gpu.attention_backward(q, k, v, o, lse, do, version=7,
                                        **opts)
+        # the fused kernel (dQ by atomics), held to the same bound
+        fused = gpu.attention_backward(q, k, v, o, lse, do, version=7,
+                                       deterministic=False, **opts)
         x64 = [x.double().cpu().numpy() for x in (q, k, v, o, do)]
         lse64 = lse.double().cpu().numpy()
         want = tiled.attention_backward(*x64[:4], lse64, x64[4], **opts)
-        for name, g, g5, g2, w in zip("qkv", got, v5, again, want):
+        for name, g, g5, g2, gf, w in zip("qkv", got, v5, again, fused,
+                                          want):
             assert torch.equal(g, g2), name
-            assert g.dtype == torch.bfloat16 and g5.dtype == torch.float32
-            g, g5 = g.double().cpu().numpy(), g5.cpu().numpy()
-            assert not np.isnan(g).any(), (name, nq, nk)
-            fair = max_abs_err(g5, w)
-            # v7 stores its float32 sums rounded to bf16 (half an ulp,
-            # at most 2**-8 of each); v5 stores them as they are
-            assert max_abs_err(g, w) <= 2 * fair + (2.0**-12 + 2.0**-8) * (
-                float(np.abs(w).max())), (name, nq, nk)
+            assert g.dtype == gf.dtype == torch.bfloat16
+            assert g5.dtype == torch.float32
+            fair = max_abs_err(g5.cpu().numpy(), w)
+            for mine in (g, gf):
+                mine = mine.double().cpu().numpy()
+                assert not np.isnan(mine).any(), (name, nq, nk)
+                # v7 stores its float32 sums rounded to bf16 (half an
+                # ulp, at most 2**-8 of each); v5 stores them as they are
+                assert max_abs_err(mine, w) <= 2 * fair + (
+                    2.0**-12 + 2.0**-8) * float(np.abs(w).max()), (
+                    name, nq, nk)
