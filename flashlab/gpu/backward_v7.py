@@ -23,6 +23,9 @@ many a block has):
   and runs dQ_i = dS K_j from it (dS^T read MN-major as the A operand),
   adding tau dQ_i to a float32 dQ by vector reductions: five products a
   tile pair, and dQ's last bits vary with the order of the additions.
+  Measured on the H200 it is no faster than the two kernels (0.95 to
+  1.05 times, hopper_backward_h200.csv): the warps that issue the
+  reductions wait for them.
 
 Gradients leave in the inputs' 16-bit type, rounded once from their
 float32 accumulators (`make_store_pairs`), and dK, dV per K/V head: a
@@ -54,6 +57,7 @@ from flashlab.gpu.forward_v7 import (
     make_to_a,
 )
 from flashlab.gpu.intrinsics import (
+    bar_sync,
     cp_async_commit,
     cp_async_wait_all,
     global_address,
@@ -411,7 +415,7 @@ def _make_keys(D, D_V, kind, with_dq):
             keep_ds(da, ds_at, t)  # before dK's product takes da
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)  # P^T's registers free before dQ's are taken
-            start_dq(gq, ds_desc, kq_desc)
+            start_dq(gq, ds_desc, kq_desc, t)
             k_wait(gk, da)
             finish_dq(gq, dq, b, i0 + 16 * (w % 4) + lane // 4, nq,
                       (0 if OWN_KEYS else 64 * (w // 4)) + tq, tau)
@@ -445,7 +449,7 @@ def _dq_hooks(D, kind):
     """The fused kernel's three steps of dQ = dS K, around dK's product:
     keep dS^T in SRAM, start the product once every warpgroup's is there,
     wait for it and add it to dQ."""
-    QSTEPS, _ = dq_split(D)
+    QSTEPS, OWN_KEYS = dq_split(D)
     _, _, step = fragments.mn_major_128b(own("dkv"))
     q_issue = mma_ss(64, QSTEPS, step, step, kind, trans_b=1, wait=False,
                      trans_a=1)
@@ -462,9 +466,16 @@ def _dq_hooks(D, kind):
                             da[kp, x])
 
     @inline
-    def start_dq(gq, ds_desc, kq_desc):
+    def start_dq(gq, ds_desc, kq_desc, t):
         proxy_fence()  # this thread's dS^T stores to wgmma's proxy,
-        cuda.syncthreads()  # then every thread's
+        # then every thread's that the product reads: the warpgroup's
+        # own where it takes its own keys (d = 64), else the block's.
+        # (a named barrier for the one warpgroup: 4% of the kernel's time
+        # at d = 64, N = 16K on the H200)
+        if OWN_KEYS:
+            bar_sync(1 + t // 128, 128)
+        else:
+            cuda.syncthreads()
         q_issue(gq, ds_desc, kq_desc)
 
     @inline
@@ -489,7 +500,7 @@ def _no_ds(da, ds_at, t):
 
 
 @inline
-def _no_start(gq, ds_desc, kq_desc):
+def _no_start(gq, ds_desc, kq_desc, t):
     pass
 
 

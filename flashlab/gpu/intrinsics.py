@@ -285,6 +285,20 @@ def red_add2(typingctx, address, x, y):
 
 
 @intrinsic
+def bar_sync(typingctx, barrier, count):
+    """Named barrier `barrier` (1..15; 0 is syncthreads') for `count`
+    threads (a multiple of 32): bar.sync, e.g. one warpgroup's 128."""
+    sig = types.void(types.int32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "bar.sync $0, $1;", "r,r,~{memory}", None,
+             list(args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def cp_async16(typingctx, dst, src, nbytes):
     """Copy 16 bytes global -> shared without the registers (cp.async.cg).
 
