@@ -264,11 +264,12 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     seed, order, num_splits; with return_lse also the row log-sum-exp
     (..., L), which carries no gradient. deterministic=False lets the
     backward add dQ by atomics where a kernel does (v7's fused kernel on
-    Hopper: fewer products, dQ's last bits vary run to run); the default
-    gives the same bits every run. With dropout_p > 0 and no seed,
-    a seed is drawn from torch's generator, so torch.manual_seed makes
-    runs repeatable. Rows that no key may attend give 0 (and lse -inf)
-    where SDPA gives NaN. See chapters 7 and 8.
+    Hopper: fewer products, no faster as measured on the H200, dQ's last
+    bits vary run to run); the default gives the same bits every run.
+    With dropout_p > 0 and no seed, a seed is drawn from torch's
+    generator, so torch.manual_seed makes runs repeatable. Rows that no
+    key may attend give 0 (and lse -inf) where SDPA gives NaN. See
+    chapters 7 and 8.
     """
     return_lse = check_flag("return_lse", return_lse)
     deterministic = check_flag("deterministic", deterministic)
