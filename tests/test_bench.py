@@ -190,6 +190,19 @@ def test_host_suite_on_the_cpu(tmp_path):
     _check_ratios(rows, key="us", half_unit=0.05)
 
 
+def test_host_parts_on_the_cpu():
+    # every piece timed, in order, none of the GPU's plans off a GPU
+    rows = host.parts(shape=(1, 2, 32, 16), calls=2, device="cpu",
+                      dtype="float32")
+    assert [r["part"] for r in rows] == [
+        "torch.empty of o's shape", "autograd.grad of one C++ op",
+        "autograd.grad of one Python Function",
+        "flashlab forward, no grad", "flashlab forward+backward",
+        "sdpa forward, no grad", "sdpa forward+backward"]
+    assert all(set(r) == set(host.PART_COLUMNS) and r["device"] == "cpu"
+               and r["calls"] == 2 and r["us"] > 0 for r in rows)
+
+
 def test_training_suite_on_the_cpu_drops_the_missing_backend(tmp_path):
     # cuDNN has no CPU kernel: its rows are left out, the rest measured
     suite = training.suite(shapes=TINY, reps=2, device="cpu",

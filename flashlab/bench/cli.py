@@ -61,7 +61,8 @@ def main(argv=None):
                          "against one GPU (see flashlab.bench.ring)")
     ap.add_argument("--host", action="store_true",
                     help="host microseconds per call, forward and "
-                         "forward+backward, against SDPA (host.csv)")
+                         "forward+backward, against SDPA (host.csv), and "
+                         "the pieces of each call (host_parts.csv)")
     ap.add_argument("--training", action="store_true",
                     help="bf16 training shapes against SDPA's flash and "
                          "cuDNN backends (training.csv)")
@@ -147,6 +148,11 @@ def model_main(args, ap):
     rows = []
     if args.host:
         rows += measure(host.suite(), args.out)
+        found = host.parts()
+        report.write_csv(found, os.path.join(args.out, "host_parts.csv"),
+                         host.PART_COLUMNS)
+        for r in found:
+            print(f"{r['part']:<42}{r['us']:>9.1f} us")
     if args.training:
         rows += measure(training.suite(reps=reps), args.out)
     if args.gpt:

@@ -32,3 +32,77 @@ def suite(shape=SHAPE, calls=200, device="cuda", dtype="bfloat16",
                  timing.host_loop(device), columns=COLUMNS, shown=SHOWN,
                  flops=None, device="gpu" if device == "cuda" else "cpu",
                  csv="host.csv")
+
+
+PART_COLUMNS = ("device", "part", "calls", "us")
+
+
+def parts(shape=SHAPE, calls=300, device="cuda", dtype="bfloat16",
+          causal=True):
+    """Where a call's host time goes: the pieces of flashlab's call and
+    SDPA's, each timed as `suite` times a call (microseconds, the median
+    of 5 loops of `calls`). On a GPU also flashlab.gpu's prepared plans
+    alone; autograd's own cost is timed on a one-op graph, through C++
+    and through a Python autograd.Function as flashlab's is."""
+    import torch
+    import torch.nn.functional as F
+
+    from flashlab import torch as fl_torch
+
+    class Identity(torch.autograd.Function):
+        """x -> x with a Python backward: autograd's cost of one."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    gen = torch.Generator(device=device).manual_seed(sum(shape))
+    kind = getattr(torch, dtype)
+    q, k, v, do = (torch.randn(shape, device=device, dtype=kind,
+                               generator=gen) for _ in range(4))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    small = torch.randn(8, device=device, requires_grad=True)
+    g8 = torch.ones(8, device=device)
+
+    def step(attend):
+        return lambda: torch.autograd.grad(
+            attend(*leaves, is_causal=causal), leaves, do)
+
+    pieces = [
+        ("torch.empty of o's shape",
+         lambda: torch.empty(shape, device=device, dtype=kind)),
+        ("autograd.grad of one C++ op",
+         lambda: torch.autograd.grad(small * 1, (small,), g8)),
+        ("autograd.grad of one Python Function",
+         lambda: torch.autograd.grad(Identity.apply(small), (small,), g8)),
+    ]
+    if device == "cuda":
+        from flashlab import gpu
+
+        o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
+        pieces += [
+            ("flashlab.gpu.attention (plan)",
+             lambda: gpu.attention(q, k, v, causal=causal,
+                                   return_lse=True)),
+            ("flashlab.gpu.attention_backward (plan)",
+             lambda: gpu.attention_backward(q, k, v, o, lse, do,
+                                            causal=causal)),
+        ]
+    pieces += [
+        ("flashlab forward, no grad",
+         lambda: fl_torch.attention(q, k, v, is_causal=causal)),
+        ("flashlab forward+backward", step(fl_torch.attention)),
+        ("sdpa forward, no grad",
+         lambda: F.scaled_dot_product_attention(q, k, v,
+                                                is_causal=causal)),
+        ("sdpa forward+backward", step(F.scaled_dot_product_attention)),
+    ]
+    case = Case("host parts", *shape, causal, (), "", calls, dtype=dtype)
+    ms = timing.host_loop(device)(dict(pieces), case)
+    where = "gpu" if device == "cuda" else "cpu"
+    return [dict(device=where, part=name, calls=calls,
+                 us=round(ms[name] * 1e3, 1)) for name, _ in pieces]
