@@ -195,16 +195,28 @@ attention_op.register_vmap(_no_vmap)
 attention_backward_op.register_vmap(_no_vmap)
 
 # the JSON of each options tuple, and back: a call of a shape seen before
-# pays two dict look-ups instead of a json round trip
+# pays two dict look-ups instead of a json round trip; _seen maps the
+# keywords' values, in attention's order, to the JSON without the dict
 _encoded = {}
 _decoded = {}
+_seen = {}
+CACHED = 4096  # entries each; a new seed a call (dropout) must not grow
+# them without end
+
+
+def _remember(cache, key, value):
+    """cache[key] = value, emptying a cache that holds CACHED first."""
+    if len(cache) >= CACHED:
+        cache.clear()
+    cache[key] = value
 
 
 # torch.compile calls this at trace time and keeps the text as a constant
 @torch._dynamo.assume_constant_result
 def _encode(options):
     """options (keywords that are not tensors) as the op's JSON string."""
-    key = (tuple(options), tuple(map(_hashable, options.values())))
+    key = (tuple(options), tuple(map(_hashable, options.values())),
+           tuple(map(type, options.values())))  # 1 is not True
     text = _encoded.get(key)
     if text is None:
         for name, x in options.items():
@@ -214,9 +226,9 @@ def _encode(options):
                 raise TypeError(
                     f"{name}: expected a number, string, None or a list of"
                     f" them, got {type(x).__name__} {x!r}") from None
-        text = _encoded[key] = json.dumps(dict(options), sort_keys=True,
-                                          default=_plain)
-        _decoded[text] = json.loads(text)
+        text = json.dumps(dict(options), sort_keys=True, default=_plain)
+        _remember(_encoded, key, text)
+        _remember(_decoded, text, json.loads(text))
     return text
 
 
@@ -274,8 +286,11 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     return_lse = check_flag("return_lse", return_lse)
     deterministic = check_flag("deterministic", deterministic)
     q, k, v = query, key, value
-    for name, x in (("query", q), ("key", k), ("value", v)):
-        _check_tensor(name, x, q)
+    # dynamo traces the plain checks and the JSON, not the fast paths
+    compiling = torch.compiler.is_compiling()
+    if compiling or not _plain_inputs(q, k, v):  # named checks
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            _check_tensor(name, x, q)
     if attn_mask is not None and mask is not None:
         raise ValueError("mask: given with attn_mask, which is the same "
                          "thing; pass one")
@@ -304,11 +319,24 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     if dropout_p and seed is None:  # torch's generator: manual_seed
         # repeats runs; a CPU tensor, so drawing it never syncs a GPU
         seed_t = torch.randint(0, 2**62, (), dtype=torch.int64)
-    options = _encode(dict(
-        block_q=block_q, block_k=block_k, scale=scale,
-        causal=False if causal is None else causal, window=window,
-        align=align, dropout_p=dropout_p, order=order,
-        num_splits=num_splits, seed=seed, deterministic=deterministic))
+    causal = False if causal is None else causal
+    values = (block_q, block_k, scale, causal, window, align, dropout_p,
+              order, num_splits, seed, deterministic)
+    options = key = None
+    if not compiling:
+        # with the types: 1 and True (num_splits, causal) are equal keys
+        key = (values, tuple(map(type, values)))
+        try:
+            options = _seen.get(key)
+        except TypeError:  # a list (window): through the dict below
+            key = None
+    if options is None:
+        options = _encode(dict(
+            block_q=block_q, block_k=block_k, scale=scale, causal=causal,
+            window=window, align=align, dropout_p=dropout_p, order=order,
+            num_splits=num_splits, seed=seed, deterministic=deterministic))
+        if key is not None:
+            _remember(_seen, key, options)
     o, lse = _call(q, k, v, mask, kv_lengths, seed_t, options)
     return (o, lse) if return_lse else o
 
@@ -351,6 +379,26 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
         outs.append(o_b.transpose(0, 1))
     return torch.cat(outs, 0) if outs else _zeros_of(
         q, k, v, (0, q.shape[1], v.shape[2]))
+
+
+def _plain_inputs(q, k, v):
+    """Whether q, k, v pass _check_tensor for certain, read fast: torch
+    tensors of one CPU or CUDA device, dtypes it takes, >= 2 dims."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k, tensor)
+            and isinstance(v, tensor)):
+        return False
+    if q.is_cuda:
+        if not (k.is_cuda and v.is_cuda
+                and q.get_device() == k.get_device() == v.get_device()):
+            return False
+        dtypes = _DTYPES["cuda"]
+    elif q.is_cpu and k.is_cpu and v.is_cpu:
+        dtypes = _DTYPES["cpu"]
+    else:
+        return False
+    return (q.dtype in dtypes and k.dtype in dtypes and v.dtype in dtypes
+            and q.dim() >= 2 and k.dim() >= 2 and v.dim() >= 2)
 
 
 def _check_tensor(name, x, q):

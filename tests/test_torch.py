@@ -130,6 +130,56 @@ def test_bad_input():
         fl_torch.attention(x, x, x, deterministic=0)
 
 
+def _named_checks_pass(q, k, v):
+    """Whether the wrapper's per-argument checks accept q, k, v."""
+    try:
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            fl_torch._check_tensor(name, x, q)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def test_fast_input_check_accepts_only_what_the_named_checks_do():
+    # _plain_inputs lets a call skip the named checks: it must never
+    # accept what they refuse (and accepts the common calls)
+    x = torch.zeros(2, 4, 4)
+    cases = [x, x.double(), x.half(), x.bfloat16(), x.bool(), x[0, 0],
+             torch.zeros(4, 4, device="meta"), torch.nn.Parameter(x),
+             x.transpose(-1, -2), np.zeros((2, 4, 4)), None]
+    for q in cases:
+        for k in cases:
+            for v in (x, cases[1], cases[2], cases[6]):
+                fast = fl_torch._plain_inputs(q, k, v)
+                assert not fast or _named_checks_pass(q, k, v), (q, k, v)
+    assert fl_torch._plain_inputs(x, x, x)
+    assert fl_torch._plain_inputs(x.double(), x.double(), x.double())
+
+
+def test_remembered_options_keep_refusals_and_stay_bounded(monkeypatch):
+    x = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(5))
+    fl_torch.attention(x, x, x, num_splits=1, causal=True)
+    # equal to 1 and True as keys, but refused as they were before
+    with pytest.raises(TypeError, match="num_splits: expected an integer"):
+        fl_torch.attention(x, x, x, num_splits=True, causal=True)
+    with pytest.raises(ValueError, match="causal: expected one of"):
+        fl_torch.attention(x, x, x, num_splits=1, causal=1)
+    # a new dropout seed each call: the caches hold CACHED at most, and a
+    # call after a clear gives the same output as before it
+    monkeypatch.setattr(fl_torch, "CACHED", 3)
+    first = fl_torch.attention(x, x, x, dropout_p=0.5, seed=0)
+    for seed in range(1, 8):
+        fl_torch.attention(x, x, x, dropout_p=0.5, seed=seed)
+        for cache in (fl_torch._seen, fl_torch._encoded,
+                      fl_torch._decoded):
+            assert len(cache) <= 3
+    assert torch.equal(fl_torch.attention(x, x, x, dropout_p=0.5, seed=0),
+                       first)
+    # a window as a list is no key: the JSON path, the same answer
+    assert torch.equal(fl_torch.attention(x, x, x, window=[2, 1]),
+                       fl_torch.attention(x, x, x, window=(2, 1)))
+
+
 def test_deterministic_false_changes_nothing_on_a_cpu(rng):
     # atomics are a GPU kernel's choice: the CPU kernels' gradients are
     # the same bits either way, and both are differentiable
