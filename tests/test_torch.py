@@ -156,6 +156,36 @@ def test_fast_input_check_accepts_only_what_the_named_checks_do():
     assert fl_torch._plain_inputs(x.double(), x.double(), x.double())
 
 
+class _OnGPU(torch.Tensor):
+    """A CPU tensor that reports itself on CUDA device `index` (no GPU
+    here): the fast check's CUDA branch reads only these two."""
+
+    index = 0
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+
+    def get_device(self):
+        return self.index
+
+
+def _on_gpu(x, index=0):
+    out = x.as_subclass(_OnGPU)
+    out.index = index
+    return out
+
+
+def test_fast_input_check_on_cuda_devices():
+    x = torch.zeros(2, 4, 4)
+    bf, half, f32 = (_on_gpu(x.to(t)) for t in (
+        torch.bfloat16, torch.float16, torch.float32))
+    assert fl_torch._plain_inputs(bf, bf, bf)
+    assert fl_torch._plain_inputs(half, half, f32)  # each a CUDA dtype
+    assert not fl_torch._plain_inputs(_on_gpu(x.double()), bf, bf)
+    assert not fl_torch._plain_inputs(bf, _on_gpu(x.bfloat16(), 1), bf)
+    assert not fl_torch._plain_inputs(bf, bf, x.bfloat16())  # on the CPU
+    assert not fl_torch._plain_inputs(bf, bf, _on_gpu(x[0, 0].bfloat16()))
+
+
 def test_remembered_options_keep_refusals_and_stay_bounded(monkeypatch):
     x = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(5))
     fl_torch.attention(x, x, x, num_splits=1, causal=True)
