@@ -6,8 +6,8 @@ as a user calls each (SDPA with no backend forced), the median of 5
 loops of 200 calls after warm-up, one synchronize at each loop's end.
 The forward alone (inputs without gradients) and a forward+backward
 step (autograd from a fixed random dO). Microseconds per call;
-vs_torch = SDPA's / flashlab's. Writes host.csv. See the launch-path
-issue and chapter 10.
+vs_torch = SDPA's / flashlab's. Writes host.csv; `parts` times the
+pieces of such a call (host_parts.csv). See chapters 10 and 12.
 """
 
 from flashlab.bench import as_user, timing
