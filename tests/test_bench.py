@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flashlab import bench, costs, measured, reference
-from flashlab.bench import cli, cpu, gpt, host, report, training
+from flashlab.bench import cli, cpu, gpt, host, report, timing, training
 from flashlab.bench.runner import Case, Suite, run
 
 TINY = (("fwd+bwd", 2, 2, 64, 64, True), ("forward", 1, 3, 48, 64, False))
@@ -188,6 +188,17 @@ def test_host_suite_on_the_cpu(tmp_path):
         ("fwd+bwd", "flashlab"), ("fwd+bwd", "torch sdpa")]
     assert all(r["calls"] == 3 and r["us"] > 0 for r in rows)
     _check_ratios(rows, key="us", half_unit=0.05)
+
+
+def test_host_loop_alternates_the_calls_loop_by_loop():
+    # warm-up calls of each first, then the loops of a and b in turn, so
+    # a drift of the host's speed falls on both
+    order = []
+    calls = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    case = Case("host", 1, 1, 4, 4, False, ("a", "b"), "a", 3)
+    ms = timing.host_loop("cpu", loops=2, warm=1)(calls, case)
+    assert "".join(order) == "ab" + "aaabbb" * 2
+    assert set(ms) == {"a", "b"} and all(t >= 0 for t in ms.values())
 
 
 def test_host_parts_on_the_cpu():

@@ -3,7 +3,8 @@
 What a model pays per attention call on a small problem, where the GPU's
 own time is far below the host's: (1, 4, 128, 64) bf16 causal, called
 as a user calls each (SDPA with no backend forced), the median of 5
-loops of 200 calls after warm-up, one synchronize at each loop's end.
+loops of 200 calls after warm-up, one synchronize at each loop's end,
+the calls' loops taking turns (timing.host_loop).
 The forward alone (inputs without gradients) and a forward+backward
 step (autograd from a fixed random dO). Microseconds per call;
 vs_torch = SDPA's / flashlab's. Writes host.csv; `parts` times the

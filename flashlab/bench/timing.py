@@ -82,25 +82,27 @@ def interleaved(calls, case):
 
 
 def host_loop(device, loops=5, warm=10):
-    """Host time per call: `warm` calls, then `loops` loops of case.reps
-    calls, each loop by the wall clock with one synchronize at its end;
-    the median loop's milliseconds per call."""
+    """Host time per call: `warm` calls of each, then `loops` rounds in
+    which each call runs a loop of case.reps calls, timed by the wall
+    clock with one synchronize at its end; the median loop's
+    milliseconds per call. The loops of the calls alternate round by
+    round, so a drift of the host's speed hits every call alike."""
     def timer(calls, case):
-        out = {}
-        for name, fn in calls.items():
+        for fn in calls.values():
             for _ in range(warm):
                 fn()
-            _sync(device)
-            per_call = []
-            for _ in range(loops):
+        _sync(device)
+        per_call = {name: [] for name in calls}
+        for _ in range(loops):
+            for name, fn in calls.items():
                 t0 = time.perf_counter()
                 for _ in range(case.reps):
                     fn()
                 _sync(device)
-                per_call.append((time.perf_counter() - t0) * 1e3
-                                / case.reps)
-            out[name] = statistics.median(per_call)
-        return out
+                per_call[name].append((time.perf_counter() - t0) * 1e3
+                                      / case.reps)
+        return {name: statistics.median(ts)
+                for name, ts in per_call.items()}
     return timer
 
 
