@@ -158,29 +158,32 @@ BACKWARD_CASES = CASES + [
 ]
 
 
-def backward_version(version):
-    """Skip where this GPU does not run the 16-bit backward `version`."""
+def backward_version(version, d=64):
+    """Skip where this GPU does not run the 16-bit backward `version`, or
+    it is not built for head dim d."""
     from flashlab.gpu import launch, registry
 
-    if not registry.get(f"backward_v{version}_dq_bf16").runs_on(
-            launch.device_cc()):
+    spec = registry.get(f"backward_v{version}_dkv_bf16")
+    if not spec.runs_on(launch.device_cc()):
         pytest.skip(f"backward v{version} does not run on this GPU")
+    if not spec.takes(d, d):
+        pytest.skip(f"backward v{version} is not built for d = {d}")
     return version
 
 
-@pytest.mark.parametrize("version", [5, 7, "7 fused"])
+@pytest.mark.parametrize("version", [5, 7, 8, "7 fused"])
 @pytest.mark.parametrize("opts", BACKWARD_CASES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
-    # backward_v5 and v7 (its two kernels, and with deterministic=False
-    # its fused kernel, dQ by atomics) against tiled's float64 backward
-    # on the same 16-bit inputs; the scale of a fair error is torch's
-    # flash backward in the same dtype on the same inputs (causal or
-    # not; its kernels take no other mask, nor a causal one with Nq !=
-    # Nk), as the torch test
+    # backward_v5, v7 (its two kernels, and with deterministic=False
+    # its fused kernel, dQ by atomics) and v8 (d = 64) against tiled's
+    # float64 backward on the same 16-bit inputs; the scale of a fair
+    # error is torch's flash backward in the same dtype on the same
+    # inputs (causal or not; its kernels take no other mask, nor a
+    # causal one with Nq != Nk), as the torch test
     fused = version == "7 fused"
-    version = backward_version(7 if fused else version)
+    version = backward_version(7 if fused else version, d)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -227,7 +230,7 @@ def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
         else:  # no atomics: bitwise repeatable
             assert torch.equal(g, g2), name
         # float32 (v5) or the inputs' dtype (v7), as flash's
-        assert g.dtype == (q.dtype if version == 7 else torch.float32)
+        assert g.dtype == (q.dtype if version >= 7 else torch.float32)
         g = g.double().cpu().numpy()
         assert g.shape == w.shape and not np.isnan(g).any(), name
         f = f.double().cpu().numpy()

@@ -64,14 +64,15 @@ def forward_rows(sizes=SIZES):
 
 
 BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
-            "flashlab v7 fused bf16", "torch flash bf16", "torch cudnn bf16")
+            "flashlab v7 fused bf16", "flashlab v8 bf16", "torch flash bf16",
+            "torch cudnn bf16")
 
 
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
-    """The bf16 backward alone, from a saved forward: backward_v5 and v7
+    """The bf16 backward alone, from a saved forward: backward_v5, v7
     (gpu.attention_backward; v7 deterministic, and fused with dQ by
-    atomics) against torch's flash and cuDNN backwards (autograd), per
-    (d, N, causal)."""
+    atomics) and v8 (d = 64) against torch's flash and cuDNN backwards
+    (autograd), per (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,
                               dtype="bfloat16")
@@ -81,6 +82,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
              tensor._hopper(_saved_backward(7)),
              ("backward", "flashlab v7 fused bf16"):
              tensor._hopper(_saved_backward(7, deterministic=False)),
+             ("backward", "flashlab v8 bf16"):
+             tensor._hopper(_saved_backward(8)),
              ("backward", "torch flash bf16"):
              tensor._backward("FLASH_ATTENTION"),
              ("backward", "torch cudnn bf16"):
@@ -89,7 +92,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
                          timing.events, columns=report.FIELDS,
                          shown=report.SHOWN, csv=None,
                          optional=("torch cudnn bf16", "flashlab v7 bf16",
-                                   "flashlab v7 fused bf16"))
+                                   "flashlab v7 fused bf16",
+                                   "flashlab v8 bf16"))
     return runner.run(suite)
 
 
@@ -98,7 +102,14 @@ def _saved_backward(version, deterministic=True):
     (v8's, or v5's where there is no Hopper)."""
     def make(case, x):
         from flashlab import gpu
+        from flashlab.gpu import registry
 
+        if not registry.get(f"backward_v{version}_dkv_bf16").takes(
+                case.d, case.d):
+            def absent():
+                raise RuntimeError(f"backward v{version} is not built for "
+                                   f"d = {case.d}")
+            return absent
         o, lse = gpu.attention(*x[:3], causal=case.causal, return_lse=True)
         return lambda: gpu.attention_backward(
             *x[:3], o, lse, x[3], causal=case.causal, version=version,

@@ -270,24 +270,55 @@ def dq_split(d):
     return (64 if own_keys else own("dkv")) // 16, own_keys
 
 
+
+def make_scores_t(D, D_V, kind="bf16"):
+    """scores_t for head dims D, D_V and `kind`: one streamed tile's
+    S^T = K_j Q_i^T and dP^T = V_j dO_i^T for a warpgroup's 64 keys (wgmma
+    from shared memory), then P^T Z in sf and dS^T in pf (ds_of_columns)
+    under the tile's masks and dropout."""
+    BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
+    KD, KV, NS = D // 16, D_V // 16, BQ // 8
+    s_issue = mma_ss(BQ, KD, k_steps_128b(BK, KD), k_steps_128b(BQ, KD),
+                     kind, wait=False)
+    p_issue = mma_ss(BQ, KV, k_steps_128b(BK, KV), k_steps_128b(BQ, KV),
+                     kind, wait=False)
+    sp_wait = wait_for(0, NS * 4, NS * 4)
+
+    @inline
+    def scores_t(sf, pf, k_desc, q_desc, v_desc, o_desc, b, key, i0, i1,
+                 j0, j1, nq, nk, rules, kv_len, mask, tau, tq, sh, zn,
+                 dl):
+        s_issue(sf, k_desc, q_desc)  # S^T = K_j Q_i^T
+        p_issue(pf, v_desc, o_desc)  # dP^T = V_j dO_i^T
+        kv = kv_len[b]  # loaded while the products run
+        sp_wait(sf, pf)
+        # element (n, x): key `key` + 8 (x >> 1), query column
+        # 8 n + tq + (x & 1) of the tile; which pairs are allowed
+        # and dropped comes first, as bits
+        full = not rules.use_mask and j1 - j0 == BK and \
+            i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules, kv)
+        ok = int64(-1) if full else allowed_bits_of(
+            b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
+        gone = dropped_bits_of(b, key, i0, rules, NS, True) \
+            if rules.use_dropout else int64(0)
+        ds_of_columns(sf, pf, NS, tau, tq, sh, zn, dl, ok, gone)
+
+    return scores_t
+
 def _make_keys(D, D_V, kind, with_dq):
     """The kernel of a block of keys: dK and dV, and with_dq dQ too."""
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     load_panels = make_load_panels(threads("dkv"))
-    KD, KV, KP = D // 16, D_V // 16, BQ // 16  # k-steps: S^T, dP^T, dK/dV
+    KP = BQ // 16  # k-steps of dK and dV (S^T's: make_scores_t)
     NS, NK, NV = BQ // 8, D // 8, D_V // 8  # n-tiles: S^T, dK, dV
     K_S, V_S = BK * D, BK * D_V  # the block's own tiles (16-bit values)
     Q_S, O_S = BQ * D, BQ * D_V  # one stage of each streamed tile
     OWN_S, STAGE_S = K_S + V_S, Q_S + O_S
     lbo, sbo, _, _ = fragments.k_major_128b(BK)
     lbo_t, sbo_t, step_t = fragments.mn_major_128b(BQ)  # Q_i, dO_i as B
-    s_issue = mma_ss(BQ, KD, k_steps_128b(BK, KD), k_steps_128b(BQ, KD),
-                     kind, wait=False)
-    p_issue = mma_ss(BQ, KV, k_steps_128b(BK, KV), k_steps_128b(BQ, KV),
-                     kind, wait=False)
+    scores_t = make_scores_t(D, D_V, kind)
     v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
     k_issue = mma_rs(D, KP, step_t, kind, wait=False)
-    sp_wait = wait_for(0, NS * 4, NS * 4)
     # dV and P^T in (dK may still fly), then dK and dS^T (dQ may fly)
     v_wait = wait_for(1, NV * 4, KP * 4)
     k_wait = wait_for(int(with_dq), NK * 4, KP * 4)
@@ -391,22 +422,11 @@ def _make_keys(D, D_V, kind, with_dq):
             cp_async_commit()
             b, i0 = b0 + g, it * BQ
             i1 = min(i0 + BQ, nq)
-            kv = kv_len[b]  # loaded while the products run
             at_now = next_stage * uint64(now)
-            s_issue(sf, k_desc, q_desc + at_now)  # S^T = K_j Q_i^T
-            p_issue(pf, v_desc, o_desc + at_now)  # dP^T = V_j dO_i^T
-            sp_wait(sf, pf)
-            # element (n, x): key `key` + 8 (x >> 1), query column
-            # 8 n + tq + (x & 1) of the tile; which pairs are allowed
-            # and dropped comes first, as bits
-            full = not rules.use_mask and j1 - j0 == BK and \
-                i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules, kv)
-            ok = int64(-1) if full else allowed_bits_of(
-                b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
-            gone = dropped_bits_of(b, key, i0, rules, NS, True) \
-                if rules.use_dropout else int64(0)
-            ds_of_columns(sf, pf, NS, tau, tq, terms[now, 0],
-                          terms[now, 1], terms[now, 2], ok, gone)
+            scores_t(sf, pf, k_desc, q_desc + at_now, v_desc,
+                     o_desc + at_now, b, key, i0, i1, j0, j1, nq, nk,
+                     rules, kv_len, mask, tau, tq, terms[now, 0],
+                     terms[now, 1], terms[now, 2])
             # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: the rounded C
             # fragments are the A operands, dO_i and Q_i read MN-major
             to_a(pa, sf)

@@ -406,11 +406,12 @@ class _Slots:
 
     SLOTS = 256
 
-    def __init__(self):
+    def __init__(self, words=48):
         from numba import cuda
 
-        self.host = cuda.pinned_array((self.SLOTS, 48), np.uint64)
-        self.device = cuda.device_array((self.SLOTS, 48), np.uint64)
+        self.words = words  # of one set: 16 a tensor map
+        self.host = cuda.pinned_array((self.SLOTS, words), np.uint64)
+        self.device = cuda.device_array((self.SLOTS, words), np.uint64)
         # its address, read once: numba builds the interface dict anew
         # at every reading, and a launch needs only this number
         self.base = self.device.__cuda_array_interface__["data"][0]
@@ -436,7 +437,7 @@ class _Slots:
             self.copied[slot] = cuda.event(timing=False)
             self.copied[slot].record(on)
             self.keys[slot], self.slot_of[key] = key, slot
-        return self.base + slot * 48 * 8
+        return self.base + slot * self.words * 8
 
 
 _SLOTS = []  # the one _Slots, made at the first launch

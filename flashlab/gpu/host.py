@@ -349,28 +349,38 @@ def _statistics(call, name, q_k, k_k, lse, rows):
 
 
 def _backward16_names(version, dtype, d, d_v, deterministic=True):
-    """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5 or 7;
+    """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8;
     None: registry.backward_version) for this GPU; (fused, None) for v7
     where atomics are allowed (not deterministic)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
     cc = (9, 0) if simulator else launch.device_cc()  # refused later
+    kind = "bf16" if dtype == "bfloat16" else "f16"
     if version is None:
         version = registry.backward_version(dtype, d, d_v, cc)
-    elif isinstance(version, bool) or version not in (5, 7):
-        raise ValueError(f"version: expected 5, 7 or None for the 16-bit "
-                         f"backward, got {version!r}")
-    elif not simulator and not registry.get(
-            f"backward_v{version}_dq_bf16").runs_on(cc):
-        raise ValueError(
-            f"version: backward v{version} does not run on compute "
-            f"capability {cc[0]}.{cc[1]} (pass None for the best it runs)")
-    kind = "bf16" if dtype == "bfloat16" else "f16"
+        if version == 8 and not deterministic:
+            version = 7  # its fused kernel, where atomics are allowed
+    elif isinstance(version, bool) or \
+            version not in registry.BACKWARD_VERSIONS:
+        raise ValueError(f"version: expected one of "
+                         f"{registry.BACKWARD_VERSIONS} or None for the "
+                         f"16-bit backward, got {version!r}")
+    else:
+        spec = registry.get(registry.backward_names(version, kind)[0])
+        if not simulator and not spec.runs_on(cc):
+            raise ValueError(
+                f"version: backward v{version} does not run on compute "
+                f"capability {cc[0]}.{cc[1]} (pass None for the best it "
+                f"runs)")
+        if not spec.takes(d, d_v):
+            raise ValueError(
+                f"version: backward v{version} is built for head dims "
+                f"{spec.head_dims}, got d={d}, d_v={d_v} (pass None for "
+                f"the best that takes them)")
     if version == 7 and not deterministic:
         return f"backward_v7_fused_{kind}", None
-    return tuple(f"backward_v{version}_{part}_{kind}"
-                 for part in ("dkv", "dq"))
+    return registry.backward_names(version, kind)
 
 
 def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):

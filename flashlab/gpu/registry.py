@@ -16,6 +16,7 @@ from flashlab.gpu import (
     backward,
     backward_v5,
     backward_v7,
+    backward_v8,
     device,
     forward_v1,
     forward_v2,
@@ -157,6 +158,15 @@ KERNELS = (
                          ("dkv", backward_v7.make_dkv),
                          ("fused", backward_v7.make_fused))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # v7's dK/dV kernel warp-specialized (TMA, setmaxnreg), d = 64; its
+    # dQ is v7's
+    *(Kernel(f"backward_v8_dkv_{kind}",
+             functools.partial(backward_v8.make_dkv, kind=kind),
+             "backward16_dkv_tma", (dtype,), backward_v8.HEAD_DIMS, (9, 0),
+             backward_v8.threads(), max_registers=backward_v8.max_registers,
+             max_cc=(9, 0), shared=backward_v8.shared_bytes,
+             derived=backward_v8.derived, grads16=True)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
            _F32, **_HELPER),
@@ -236,14 +246,25 @@ def best_version(dtype, d, d_v, cc, simulator=False):
 
 
 def backward_version(dtype, d, d_v, cc):
-    """The 16-bit backward `version=None` runs: 7 (wgmma) on Hopper, 5
-    (mma.sync) from compute capability 8.0 on; None where neither runs
-    (the caller widens to float32)."""
-    for version in (7, 5):
-        spec = BY_NAME[f"backward_v{version}_dq_bf16"]
+    """The 16-bit backward `version=None` runs: 8 (v7's kernels with a
+    warp-specialized dK/dV) on Hopper where it takes d, d_v, else 7
+    (wgmma) there, 5 (mma.sync) from compute capability 8.0 on; None where
+    none runs (the caller widens to float32)."""
+    for version in BACKWARD_VERSIONS:
+        spec = BY_NAME[f"backward_v{version}_dkv_bf16"]
         if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc):
             return version
     return None
+
+
+BACKWARD_VERSIONS = (8, 7, 5)  # of the 16-bit backward, newest first
+
+
+def backward_names(version, kind):
+    """(dK/dV, dQ) kernel names of 16-bit backward `version` on `kind`
+    inputs: v8's dQ kernel is v7's."""
+    return (f"backward_v{version}_dkv_{kind}",
+            f"backward_v{min(version, 7)}_dq_{kind}")
 
 
 def argument_types(args):
@@ -288,6 +309,9 @@ def argument_types(args):
                                 *common),
         "backward16_dkv_pairs": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                  int32[:, :, ::1], *common),
+        # and the TMA tensor maps of q, k, v, dO (backward_v8)
+        "backward16_dkv_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
+                               int32[:, :, ::1], *common, uint64[::1]),
         # and dQ, float32, summed into by atomics (backward_v7.make_fused)
         "backward16_fused_pairs": (h3, h3, h3, h3, a2, a2,
                                    int32[:, :, ::1], int32[:, :, ::1], a3,

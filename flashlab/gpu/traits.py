@@ -49,6 +49,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "backward16_dq": ("dq",), "backward16_dkv": ("dk", "dv"),
            "backward16_dq_pairs": ("dq",),
            "backward16_dkv_pairs": ("dk", "dv"),
+           "backward16_dkv_tma": ("dk", "dv"),
            "backward16_fused_pairs": ("dk", "dv", "dq"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
@@ -160,6 +161,15 @@ def _backward_wgmma(m, d, d_v, keys):
                 m.STREAMED // 8, d // 8, shared)
 
 
+def _backward_ws(m, d, d_v, keys):
+    """_backward_wgmma's consumer warpgroups and a producer's (backward_v8):
+    its threads, the same tiles."""
+    from flashlab.gpu import backward_v7
+
+    return dict(_backward_wgmma(backward_v7, d, d_v, keys),
+                threads=m.threads(d, d_v))
+
+
 def _helper(spec):
     """An element-wise kernel: no tiles; find_bad_parts keeps a word per
     column of V's words in SRAM."""
@@ -191,6 +201,7 @@ LAYOUTS = {
     "backward_v7.make_dkv": functools.partial(_backward_wgmma, keys=True),
     "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
     "backward_v7.make_fused": functools.partial(_backward_wgmma, keys=True),
+    "backward_v8.make_dkv": functools.partial(_backward_ws, keys=True),
 }
 
 

@@ -1,0 +1,299 @@
+"""Backward v8: backward_v7's dK/dV kernel, warp-specialized.
+
+bf16 or float16, sm_90a, d = d_v = 64. FlashAttention-3's producer and
+consumers (forward_v8's design) on backward_v7's dK/dV tiles: a block is
+one producer warpgroup and two consumer warpgroups of 64 keys each. The
+producer's thread 0 moves K_j, V_j once and each streamed Q_i, dO_i (64
+queries, two stages) from global to shared memory with TMA, 128-byte
+swizzled as v7's copies lay them; 64 more of its threads work out the
+stage's row terms (backward_v5.row_terms) into shared memory. Both hand
+a stage over on its "full" mbarrier (the bytes, and 65 arrivals), and
+the consumers give it back on its "empty" one once dK's product, the
+last to read it, is done. v7's dK/dV kernel has its 256 threads copy
+every stage and meet at a block barrier per tile (measured on the H200
+at d = 64: 0.54 warps stalled on it per issue); here no warpgroup waits
+for another, and `setmaxnreg` gives the producer's registers to the
+consumers (24 and 240 a thread, from a build cap of 168: the consumers'
+tiles need about 234, which three warpgroups could not have otherwise).
+At d = 128 they need more than 240, so v7's kernel stays there.
+
+dQ is backward_v7's dQ kernel (`make_dq`): backward version 8 is this
+kernel and that one. The host encodes the four tensor maps (`derived`)
+as forward_v8 does. See chapter 12.
+"""
+
+import numpy as np
+from numba import cuda, float32, int16, int32, uint32, uint64
+
+from flashlab import fragments
+from flashlab.gpu import forward_v8, tma
+from flashlab.gpu.backward_v5 import row_terms
+from flashlab.gpu.backward_v7 import (
+    PACKS,
+    STREAMED,
+    WG_ROWS,
+    make_scores_t,
+    make_store_pairs,
+    next_item,
+    own,
+)
+from flashlab.gpu.device import F0
+from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
+from flashlab.gpu.intrinsics import global_address, shared_address
+from flashlab.gpu.wgmma import mma_rs, wait_for
+
+__all__ = ["CC", "HEAD_DIMS", "make_dkv", "shared_bytes", "threads"]
+
+HEAD_DIMS = (64,)
+GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
+# (the cap per thread it is built with: 65536 registers over 384 threads,
+# a multiple of 8; what setmaxnreg leaves the producer; and gives each
+# consumer thread. The block holds 168 x 384 = 64512, and the consumers'
+# increase waits until the producer's decrease covers it: 24 x 128 +
+# 240 x 256 = 64512)
+REGISTERS = (168, 24, 240)
+BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
+# mbarrier numbers: K_j and V_j landed; stage s full (FULL + s), empty
+KV_FULL, FULL, EMPTY = 0, 1, 3
+TERM_THREADS = STREAMED  # the producer's threads 64.. : a query each
+BOX = 64  # columns of a TMA box: one 128-byte swizzle row of 16 bits
+
+
+def threads(d=64, d_v=64):
+    """Threads per block: the producer's warpgroup and the consumers'."""
+    return 128 * (GROUPS + 1)
+
+
+def max_registers(d=64, d_v=64):
+    """The registers per thread the kernel is built with."""
+    return REGISTERS[0]
+
+
+def shared_bytes(d, d_v):
+    """Dynamic shared memory per block: the barriers, K_j and V_j, two
+    stages of Q_i and dO_i, and room to align them to 1024 bytes."""
+    return BARRIERS + 2 * (own("dkv") * (d + d_v)
+                           + 2 * STREAMED * (d + d_v)) + ALIGN
+
+
+def make_dkv(D, D_V, kind="bf16"):
+    """dK = tau dS^T Q and dV = P^T dO for head dims D, D_V and `kind`,
+    warp-specialized."""
+    BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
+    CONSUMERS = 128 * GROUPS  # consumer threads
+    _, keep, grow = REGISTERS
+    release = tma.release_registers[keep]  # the producer's setmaxnreg
+    take = tma.take_registers[grow]  # and the consumers'
+    KP = BQ // 16  # k-steps of dK and dV (S^T's: make_scores_t)
+    NS, NK, NV = BQ // 8, D // 8, D_V // 8  # n-tiles: S^T, dK, dV
+    K_B, V_B = 2 * BK * D, 2 * BK * D_V  # the block's own tiles, bytes
+    Q_B, O_B = 2 * BQ * D, 2 * BQ * D_V  # one stage of each streamed
+    STAGE_B = Q_B + O_B
+    lbo, sbo, _, _ = fragments.k_major_128b(BK)
+    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BQ)  # Q_i, dO_i as B
+    scores_t = make_scores_t(D, D_V, kind)
+    v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
+    k_issue = mma_rs(D, KP, step_t, kind, wait=False)
+    v_wait = wait_for(1, NV * 4, KP * 4)  # dV and P^T (dK may fly)
+    k_wait = wait_for(0, NK * 4, KP * 4)  # dK and dS^T
+    to_a = make_to_a(PACKS[kind], KP)
+    store_k = make_store_pairs(PACKS[kind], NK)
+    store_v = make_store_pairs(PACKS[kind], NV)
+
+    @cuda.jit
+    def backward_v8_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
+                        mask, maps):
+        # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
+        # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
+        # stats: shifts (BH, Nq), then norms (BH, Nq) if present; maps:
+        # the tensor maps of q, k, v, do, 16 words each
+        tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
+        # row_terms (shift, zn, dl) of each stage's queries
+        terms = cuda.shared.array((2, 3, STREAMED), float32)
+        t = cuda.threadIdx.x
+        w, lane = t // 32, t % 32
+        bk = cuda.blockIdx.y  # the K/V head
+        b0 = bk * rules.group  # the first query head of its group
+        j0 = cuda.blockIdx.x * BK
+        nq, nk = q.shape[1], k.shape[1]
+        j1 = min(j0 + BK, nk)
+        nt = (nq + BQ - 1) // BQ
+        groups = rules.group  # query heads of this K/V head
+        at = shared_address(tiles, 0)
+        bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
+        k_at = bars + uint32(BARRIERS)
+        v_at = k_at + uint32(K_B)
+        q_at = v_at + uint32(V_B)  # stage s: STAGE_B s bytes on
+        o_at = q_at + uint32(Q_B)
+        if t == 0:
+            # K/V and full: the producer's arrivals (and the bytes);
+            # empty: every consumer thread's
+            tma.mbarrier_init(bars + uint32(8 * KV_FULL), uint32(1))
+            for s in range(2):
+                tma.mbarrier_init(bars + uint32(8 * (FULL + s)),
+                                  uint32(1 + TERM_THREADS))
+                tma.mbarrier_init(bars + uint32(8 * (EMPTY + s)),
+                                  uint32(CONSUMERS))
+            tma.fence_mbarrier_init()
+        cuda.syncthreads()
+        if w < 4:  # the producer warpgroup
+            release()
+            if 0 < t < 128 - TERM_THREADS:
+                return
+            g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules,
+                              kv_len, b0)
+            maps_at = global_address(maps, 0)
+            if t == 0 and g < groups:
+                full = bars + uint32(8 * KV_FULL)
+                tma.arrive_expect_tx(full, uint32(K_B + V_B))
+                for p in range(D // BOX):
+                    tma.load_3d(k_at + uint32(p * BK * 128),
+                                maps_at + uint64(128), int32(p * BOX),
+                                int32(j0), int32(bk), full)
+                for p in range(D_V // BOX):
+                    tma.load_3d(v_at + uint32(p * BK * 128),
+                                maps_at + uint64(256), int32(p * BOX),
+                                int32(j0), int32(bk), full)
+            n = 0
+            while g < groups:
+                s, phase = n % 2, (n // 2) % 2
+                b, i0 = b0 + g, it * BQ
+                # a stage is free once both consumers are done with it;
+                # the first pass finds both free
+                tma.wait(bars + uint32(8 * (EMPTY + s)), uint32(1 - phase))
+                full = bars + uint32(8 * (FULL + s))
+                stage = uint32(STAGE_B * s)
+                if t == 0:
+                    tma.arrive_expect_tx(full, uint32(STAGE_B))
+                    for p in range(D // BOX):
+                        tma.load_3d(q_at + stage + uint32(p * BQ * 128),
+                                    maps_at, int32(p * BOX), int32(i0),
+                                    int32(b), full)
+                    for p in range(D_V // BOX):
+                        tma.load_3d(o_at + stage + uint32(p * BQ * 128),
+                                    maps_at + uint64(384), int32(p * BOX),
+                                    int32(i0), int32(b), full)
+                else:
+                    x = t - (128 - TERM_THREADS)  # this thread's query
+                    r0, r1, r2 = row_terms(stats, delta, b, i0 + x, nq,
+                                           q.shape[0], rules.drop_scale)
+                    terms[s, 0, x], terms[s, 1, x] = r0, r1
+                    terms[s, 2, x] = r2
+                    tma.arrive(full)
+                g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
+                                  kv_len, b0)
+                n += 1
+            return
+        take()
+        sf = cuda.local.array((NS, 4), float32)  # S^T, then P^T Z
+        pf = cuda.local.array((NS, 4), float32)  # dP^T, then dS^T
+        pa = cuda.local.array((KP, 4), int32)  # P^T Z: A of dV's k-steps
+        da = cuda.local.array((KP, 4), int32)  # dS^T: A of dK's k-steps
+        gk = cuda.local.array((NK, 4), float32)  # dK_j
+        gv = cuda.local.array((NV, 4), float32)  # dV_j
+        wc = w - 4  # this warp among the consumers
+        key = j0 + 16 * wc + lane // 4  # this lane's first key (g)
+        tq = 2 * (lane % 4)  # this lane's first column in an n-tile
+        wg = uint32(WG_ROWS * (wc // 4))  # this warpgroup's keys
+        k_desc = uint64(descriptor_128b(k_at + wg, lbo, sbo))
+        v_desc = uint64(descriptor_128b(v_at + wg, lbo, sbo))
+        q_desc = uint64(descriptor_128b(q_at, lbo, sbo))
+        o_desc = uint64(descriptor_128b(o_at, lbo, sbo))
+        qt_desc = uint64(descriptor_128b(q_at, lbo_t, sbo_t))
+        ot_desc = uint64(descriptor_128b(o_at, lbo_t, sbo_t))
+        next_stage = uint64(STAGE_B >> 4)  # in descriptor units
+        for n in range(NK):
+            for x in range(4):
+                gk[n, x] = F0
+        for n in range(NV):
+            for x in range(4):
+                gv[n, x] = F0
+        tau = rules.scale
+        g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules, kv_len, b0)
+        if g < groups:
+            tma.wait(bars + uint32(8 * KV_FULL), uint32(0))
+        n = 0
+        while g < groups:
+            s, phase = n % 2, (n // 2) % 2
+            b, i0 = b0 + g, it * BQ
+            i1 = min(i0 + BQ, nq)
+            tma.wait(bars + uint32(8 * (FULL + s)), uint32(phase))
+            at_now = next_stage * uint64(s)
+            scores_t(sf, pf, k_desc, q_desc + at_now, v_desc,
+                     o_desc + at_now, b, key, i0, i1, j0, j1, nq, nk,
+                     rules, kv_len, mask, tau, tq, terms[s, 0],
+                     terms[s, 1], terms[s, 2])
+            # dV_j += (P^T Z) dO_i and dK_j += dS^T Q_i: the rounded C
+            # fragments are the A operands, dO_i and Q_i read MN-major
+            to_a(pa, sf)
+            v_issue(gv, pa, ot_desc + at_now)
+            to_a(da, pf)
+            k_issue(gk, da, qt_desc + at_now)
+            v_wait(gv, pa)
+            k_wait(gk, da)
+            tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
+            g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
+                              kv_len, b0)
+            n += 1
+        store_k(gk, dk, bk, key, nk, lane % 4, tau)
+        store_v(gv, dv, bk, key, nk, lane % 4, float32(1))
+
+    return backward_v8_dkv
+
+
+# the host's side: tensor maps --------------------------------------------
+
+def tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v):
+    """The four tensor maps (64 uint64 words) of (bh, nq, d) q and dO
+    and (bh_kv, nk, d / d_v) k and v: Q_i and dO_i boxes of STREAMED
+    rows, K_j and V_j boxes of a block's keys, 64 columns each."""
+    rows, keys = STREAMED, own("dkv")
+    return np.concatenate([forward_v8.encode(q_at, nq, bh, d, rows),
+                           forward_v8.encode(k_at, nk, bh_kv, d, keys),
+                           forward_v8.encode(v_at, nk, bh_kv, d_v, keys),
+                           forward_v8.encode(do_at, nq, bh, d_v, rows)])
+
+
+_SLOTS = []  # the one forward_v8._Slots of 64 words, made at first use
+MAPS_ARG = 11  # the maps' place among the kernel's arguments
+
+
+def _maps_for(packed, stream):
+    """The device address of the tensor maps of the q, k, v, dO packed
+    in `packed` (arguments 0 to 3)."""
+    from flashlab.gpu.launch import DATA_FIELD
+
+    offset = packed.kernel.layout.offset
+    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v), (
+        do_at, _, _, _) = (forward_v8._FIELDS.unpack_from(
+            packed.buffer, offset(arg, DATA_FIELD)) for arg in range(4))
+    if not _SLOTS:
+        _SLOTS.append(forward_v8._Slots(64))
+    return _SLOTS[0].address(
+        (q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v),
+        lambda: tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d,
+                            d_v), stream)
+
+
+def derived(d, d_v):
+    """launch.Derived of the kernel's last argument, the tensor maps."""
+    from flashlab.gpu.launch import Derived
+
+    def placeholders():
+        return (cuda.device_array(64, np.uint64),)
+
+    def update(packed, stream):
+        packed.point(MAPS_ARG, _maps_for(packed, stream))
+
+    return Derived(placeholders, update)
+
+
+def compile_ptx(d, d_v, kind="bf16"):
+    """PTX of the kernel for sm_90a; needs no GPU."""
+    from flashlab.gpu import build, registry
+
+    spec = registry.get(f"backward_v8_dkv_{kind}")
+    with build.compiling_without_gpu(CC[:2]):
+        ptx, _ = cuda.compile_ptx(spec.make(d, d_v).py_func,
+                                  registry.argument_types(spec.args), cc=CC)
+    return ptx

@@ -1,0 +1,108 @@
+"""Backward v8 (backward_v7's dK/dV kernel warp-specialized: TMA, a
+producer warpgroup, mbarriers, setmaxnreg) on a Hopper GPU.
+
+It forms the same products in the same order as v7's dK/dV kernel, from
+the same tiles and row terms, so its gradients are v7's bit for bit: that
+is the check at every semantic (ragged and unequal lengths, one row, one
+key, masks, windows, causal at both alignments, key lengths, dropout,
+grouped heads), on poisoned outputs. test_gpu_tensor_cores holds it to
+float64 within twice torch flash's error, as v5 and v7."""
+
+import numpy as np
+import pytest
+from test_gpu_v7 import ragged
+
+from flashlab import gpu, tiled
+from helpers import max_abs_err, qkv
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def poison(monkeypatch):
+    # every output is NaN until a kernel writes it
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", True)
+
+
+CASES = [dict(), dict(causal=True), dict(causal="bottom_right"),
+         dict(window=(50, 30)), dict(mask="random"),
+         dict(kv_lengths="random"), dict(dropout_p=0.2, seed=7),
+         dict(causal=True, grouped=3)]
+
+
+def inputs(rng, opts, nq, nk, dtype):
+    """q, k, v, dO (torch CUDA, `dtype`) and the options as the kernels
+    take them."""
+    import torch
+
+    opts = dict(opts)
+    group = opts.pop("grouped", 1)
+    heads = 2 * group
+    if opts.get("mask") == "random":
+        keep = rng.random((2, heads, nq, nk)) < 0.7
+        keep[..., 0] = True
+        opts["mask"] = keep
+    if opts.get("kv_lengths") == "random":
+        opts["kv_lengths"] = rng.integers(0, nk + 1, (2, heads))
+    kind = getattr(torch, dtype)
+    q, k, v = (torch.tensor(x, device="cuda").to(kind)
+               for x in qkv(rng, (2, heads), nq, nk, 64, 64, np.float32))
+    if group > 1:  # two K/V heads, each for `group` query heads
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    do = torch.tensor(rng.standard_normal((2, heads, nq, 64)),
+                      device="cuda").to(kind)
+    return q, k, v, do, opts
+
+
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_v8_is_v7_bit_for_bit(rng, opts, dtype):
+    import torch
+
+    for nq, nk in ((ragged(rng, 700), ragged(rng, 700)), (1, 1), (1, 70),
+                   (130, 1)):
+        q, k, v, do, kw = inputs(rng, opts, nq, nk, dtype)
+        o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
+        got = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
+        want = gpu.attention_backward(q, k, v, o, lse, do, version=7, **kw)
+        for name, g, w in zip("qkv", got, want):
+            assert g.dtype == w.dtype == q.dtype and g.shape == w.shape
+            assert not torch.isnan(g).any(), (name, nq, nk, opts)
+            assert torch.equal(g, w), (name, nq, nk, opts)
+
+
+def test_backward_v8_against_float64(rng):
+    # not only v7's bits: a long ragged causal case against float64,
+    # within the bound test_gpu_v7 holds v7 to (twice backward_v5's
+    # error, and half a bf16 ulp of rounding)
+    q, k, v, do, kw = inputs(rng, dict(causal=True), 1000, 1000,
+                             "bfloat16")
+    o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
+    got = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
+    v5 = gpu.attention_backward(q, k, v, o, lse, do, version=5, **kw)
+    x64 = [x.double().cpu().numpy() for x in (q, k, v, o, do)]
+    want = tiled.attention_backward(*x64[:4], lse.double().cpu().numpy(),
+                                    x64[4], **kw)
+    for name, g, g5, w in zip("qkv", got, v5, want):
+        fair = max_abs_err(g5.cpu().numpy(), w)
+        assert max_abs_err(g.double().cpu().numpy(), w) <= 2 * fair + (
+            2.0**-12 + 2.0**-8) * float(np.abs(w).max()), name
+
+
+def test_backward_v8_is_the_default_at_d64_and_refused_at_d128(rng):
+    # version None runs v8 where it takes the head dims (the same bits
+    # as asking for it), v7 elsewhere; asking for it at d = 128 names
+    # the head dims it is built for
+    import torch
+
+    q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16")
+    o, lse = gpu.attention(q, k, v, return_lse=True)
+    got = gpu.attention_backward(q, k, v, o, lse, do, causal=True)
+    want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
+                                  version=8)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    wide = [torch.cat([x, x], -1) for x in (q, k, v, do)]
+    o2, lse2 = gpu.attention(*wide[:3], return_lse=True)
+    with pytest.raises(ValueError, match="version: backward v8 is built "
+                       "for head dims"):
+        gpu.attention_backward(*wide[:3], o2, lse2, wide[3], version=8)
