@@ -249,15 +249,17 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
-    float32 as the forward returns it: `version` 7 (`backward_v7`, wgmma,
-    Hopper only; gradients in the inputs' dtype, rounded once from
-    float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
-    the newest the GPU runs. Deterministic by default: no atomics, the
-    same bits every run. deterministic=False lets v7 run its fused
-    kernel, which adds each tile pair's dQ to a float32 dQ by atomics
-    (five products a tile pair instead of seven; the order of the
-    additions, so dQ's last bits, vary from run to run); elsewhere it
-    changes nothing.
+    float32 as the forward returns it: `version` 8 (`backward_v8`, v7's
+    kernels with a warp-specialized dK/dV, d = d_v = 64), 7
+    (`backward_v7`, wgmma; both Hopper only, gradients in the inputs'
+    dtype, rounded once from float32) or 5 (`backward_v5`, mma.sync;
+    float32 gradients), None for the newest the GPU runs at these head
+    dims. Deterministic by default: no atomics, the same bits every run.
+    deterministic=False lets v7 run its fused kernel, which adds each
+    tile pair's dQ to a float32 dQ by atomics (five products a tile pair
+    instead of seven; the order of the additions, so dQ's last bits,
+    vary from run to run); elsewhere, and where v8 runs, it changes
+    nothing.
     """
     deterministic = check_flag("deterministic", deterministic)
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
@@ -358,9 +360,10 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
     cc = (9, 0) if simulator else launch.device_cc()  # refused later
     kind = "bf16" if dtype == "bfloat16" else "f16"
     if version is None:
+        # v8 where it runs (at d = 64 it is faster than v7's fused
+        # kernel, and deterministic), else v7 with the fused kernel where
+        # atomics are allowed
         version = registry.backward_version(dtype, d, d_v, cc)
-        if version == 8 and not deterministic:
-            version = 7  # its fused kernel, where atomics are allowed
     elif isinstance(version, bool) or \
             version not in registry.BACKWARD_VERSIONS:
         raise ValueError(f"version: expected one of "
