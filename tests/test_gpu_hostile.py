@@ -321,7 +321,8 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]
     shapes = ((bh, nq, d), (bh, nk, d), (bh, nk, d_v))
-    if registry.get(f"backward_v{version}_dq_{kind}").grads16:
+    names = dict(zip(("dkv", "dq"), registry.backward_names(version, kind)))
+    if registry.get(names["dkv"]).grads16:
         # 16-bit pairs, dK and dV per K/V head
         bh_k = call.bh_kv
         shapes = ((bh, nq, d), (bh_k, nk, d), (bh_k, nk, d_v))
@@ -333,7 +334,7 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
         (dq, dq_k), (dk, dk_k), (dv, dv_k) = (call.empty(s) for s in shapes)
     for part, n, b_n, outs in (("dkv", nk, bh_k, (dk_k, dv_k)),
                                ("dq", nq, bh, (dq_k,))):
-        tr = traits.traits(f"backward_v{version}_{part}_{kind}", d, d_v)
+        tr = traits.traits(names[part], d, d_v)
         kernel(tr.name, d, d_v)[(math.ceil(n / tr.br), b_n), tr.threads,
                                 call.stream](*inputs, *outs, *call.args)
     if bh_k != call.bh_kv:
