@@ -1,8 +1,8 @@
-"""Backward v8 (backward_v7's kernels warp-specialized: TMA, producers,
-mbarriers, and setmaxnreg for dK/dV at d = 64) on a Hopper GPU.
+"""Backward v8 (backward_v7's dK/dV kernel warp-specialized: TMA, a
+producer warpgroup, mbarriers, setmaxnreg) on a Hopper GPU.
 
-It forms the same products in the same order as v7's kernels, from the
-same tiles and row terms, so its gradients are v7's bit for bit: that
+It forms the same products in the same order as v7's dK/dV kernel, from
+the same tiles and row terms, so its gradients are v7's bit for bit: that
 is the check at every semantic (ragged and unequal lengths, one row, one
 key, masks, windows, causal at both alignments, key lengths, dropout,
 grouped heads), on poisoned outputs. test_gpu_tensor_cores holds it to
@@ -30,7 +30,7 @@ CASES = [dict(), dict(causal=True), dict(causal="bottom_right"),
          dict(causal=True, grouped=3)]
 
 
-def inputs(rng, opts, nq, nk, dtype, d=64, d_v=64):
+def inputs(rng, opts, nq, nk, dtype):
     """q, k, v, dO (torch CUDA, `dtype`) and the options as the kernels
     take them."""
     import torch
@@ -46,24 +46,22 @@ def inputs(rng, opts, nq, nk, dtype, d=64, d_v=64):
         opts["kv_lengths"] = rng.integers(0, nk + 1, (2, heads))
     kind = getattr(torch, dtype)
     q, k, v = (torch.tensor(x, device="cuda").to(kind)
-               for x in qkv(rng, (2, heads), nq, nk, d, d_v, np.float32))
+               for x in qkv(rng, (2, heads), nq, nk, 64, 64, np.float32))
     if group > 1:  # two K/V heads, each for `group` query heads
         k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
-    do = torch.tensor(rng.standard_normal((2, heads, nq, d_v)),
+    do = torch.tensor(rng.standard_normal((2, heads, nq, 64)),
                       device="cuda").to(kind)
     return q, k, v, do, opts
 
 
 @pytest.mark.parametrize("opts", CASES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d, d_v", [(64, 64), (128, 128), (64, 128)])
-def test_backward_v8_is_v7_bit_for_bit(rng, opts, dtype, d, d_v):
-    # (v8's dK/dV kernel at d = d_v = 64; its dQ kernel at all three)
+def test_backward_v8_is_v7_bit_for_bit(rng, opts, dtype):
     import torch
 
     for nq, nk in ((ragged(rng, 700), ragged(rng, 700)), (1, 1), (1, 70),
                    (130, 1)):
-        q, k, v, do, kw = inputs(rng, opts, nq, nk, dtype, d, d_v)
+        q, k, v, do, kw = inputs(rng, opts, nq, nk, dtype)
         o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
         got = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
         want = gpu.attention_backward(q, k, v, o, lse, do, version=7, **kw)
@@ -91,18 +89,20 @@ def test_backward_v8_against_float64(rng):
             2.0**-12 + 2.0**-8) * float(np.abs(w).max()), name
 
 
-def test_backward_v8_is_the_default(rng):
-    # version None runs v8 on Hopper (the same bits as asking for it),
-    # deterministic=False too: it is faster than v7's fused kernel
+def test_backward_v8_is_the_default_at_d64_and_refused_at_d128(rng):
+    # version None runs v8 where it takes the head dims (the same bits
+    # as asking for it), v7 elsewhere; asking for it at d = 128 names
+    # the head dims it is built for
     import torch
 
-    for d in (64, 128):
-        q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300,
-                                 "bfloat16", d, d)
-        o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
-        want = gpu.attention_backward(q, k, v, o, lse, do, version=8,
-                                      **kw)
-        for flag in (True, False):
-            got = gpu.attention_backward(q, k, v, o, lse, do,
-                                         deterministic=flag, **kw)
-            assert all(torch.equal(g, w) for g, w in zip(got, want)), d
+    q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16")
+    o, lse = gpu.attention(q, k, v, return_lse=True)
+    got = gpu.attention_backward(q, k, v, o, lse, do, causal=True)
+    want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
+                                  version=8)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    wide = [torch.cat([x, x], -1) for x in (q, k, v, do)]
+    o2, lse2 = gpu.attention(*wide[:3], return_lse=True)
+    with pytest.raises(ValueError, match="version: backward v8 is built "
+                       "for head dims"):
+        gpu.attention_backward(*wide[:3], o2, lse2, wide[3], version=8)

@@ -321,8 +321,7 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]
     shapes = ((bh, nq, d), (bh, nk, d), (bh, nk, d_v))
-    names = dict(zip(("dkv", "dq"), registry.backward_names(version, kind,
-                                                           d, d_v)))
+    names = dict(zip(("dkv", "dq"), registry.backward_names(version, kind)))
     if registry.get(names["dkv"]).grads16:
         # 16-bit pairs, dK and dV per K/V head
         bh_k = call.bh_kv

@@ -163,7 +163,7 @@ def backward_version(version, d=64):
     it is not built for head dim d."""
     from flashlab.gpu import launch, registry
 
-    spec = registry.get(registry.backward_names(version, "bf16", d, d)[1])
+    spec = registry.get(f"backward_v{version}_dkv_bf16")
     if not spec.runs_on(launch.device_cc()):
         pytest.skip(f"backward v{version} does not run on this GPU")
     if not spec.takes(d, d):

@@ -71,7 +71,7 @@ BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     """The bf16 backward alone, from a saved forward: backward_v5, v7
     (gpu.attention_backward; v7 deterministic, and fused with dQ by
-    atomics) and v8 against torch's flash and cuDNN backwards
+    atomics) and v8 (d = 64) against torch's flash and cuDNN backwards
     (autograd), per (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,
@@ -104,8 +104,8 @@ def _saved_backward(version, deterministic=True):
         from flashlab import gpu
         from flashlab.gpu import registry
 
-        if not registry.get(registry.backward_names(
-                version, "bf16", case.d, case.d)[1]).takes(case.d, case.d):
+        if not registry.get(f"backward_v{version}_dkv_bf16").takes(
+                case.d, case.d):
             def absent():
                 raise RuntimeError(f"backward v{version} is not built for "
                                    f"d = {case.d}")

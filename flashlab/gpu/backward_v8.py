@@ -23,11 +23,11 @@ as forward_v8 does. See chapter 12.
 """
 
 import numpy as np
-from numba import cuda, float32, int16, int32, int64, uint32, uint64
+from numba import cuda, float32, int16, int32, uint32, uint64
 
 from flashlab import fragments
 from flashlab.gpu import forward_v8, tma
-from flashlab.gpu.backward_v5 import ds_of_rows, row_terms
+from flashlab.gpu.backward_v5 import row_terms
 from flashlab.gpu.backward_v7 import (
     PACKS,
     STREAMED,
@@ -37,24 +37,14 @@ from flashlab.gpu.backward_v7 import (
     next_item,
     own,
 )
-from flashlab.gpu.device import F0, tile_full
-from flashlab.gpu.forward_v7 import (
-    ALIGN,
-    CC,
-    descriptor_128b,
-    k_steps_128b,
-    make_to_a,
-)
+from flashlab.gpu.device import F0
+from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
 from flashlab.gpu.intrinsics import global_address, shared_address
-from flashlab.gpu.warp import dropped_bits, mask_scores, tile_range
-from flashlab.gpu.wgmma import mma_rs, mma_ss, wait_for
+from flashlab.gpu.wgmma import mma_rs, wait_for
 
-__all__ = ["CC", "DQ_DIMS", "HEAD_DIMS", "make_dkv", "make_dq",
-           "shared_bytes", "threads"]
+__all__ = ["CC", "HEAD_DIMS", "make_dkv", "shared_bytes", "threads"]
 
-HEAD_DIMS = (64,)  # of the dK/dV kernel
-DQ_DIMS = (64, 128)  # of the dQ kernel: no setmaxnreg, so both
-DQ_GROUPS = int(__import__("os").environ.get("FLASHLAB_DQ_GROUPS", 1))
+HEAD_DIMS = (64,)
 GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # (the cap per thread it is built with: 65536 registers over 384 threads,
 # a multiple of 8; what setmaxnreg leaves the producer; and gives each
@@ -69,28 +59,20 @@ TERM_THREADS = STREAMED  # the producer's threads 64.. : a query each
 BOX = 64  # columns of a TMA box: one 128-byte swizzle row of 16 bits
 
 
-def threads(part="dkv"):
-    """Threads per block of kernel `part`: the dK/dV kernel's producer
-    warpgroup and two consumer warpgroups; the dQ kernel's consumers and
-    one producer warp."""
-    return 128 * (GROUPS + 1) if part == "dkv" else 128 * DQ_GROUPS + 32
-
-
-def own_rows(part):
-    """Rows a block of kernel `part` owns: keys, or queries for dQ."""
-    return own("dkv") if part == "dkv" else 64 * DQ_GROUPS
+def threads(d=64, d_v=64):
+    """Threads per block: the producer's warpgroup and the consumers'."""
+    return 128 * (GROUPS + 1)
 
 
 def max_registers(d=64, d_v=64):
-    """The registers per thread the dK/dV kernel is built with."""
+    """The registers per thread the kernel is built with."""
     return REGISTERS[0]
 
 
-def shared_bytes(part, d, d_v):
-    """Dynamic shared memory per block of kernel `part`: the barriers,
-    its own rows' two tiles, two stages of the streamed ones, and room
-    to align them to 1024 bytes."""
-    return BARRIERS + 2 * (own_rows(part) * (d + d_v)
+def shared_bytes(d, d_v):
+    """Dynamic shared memory per block: the barriers, K_j and V_j, two
+    stages of Q_i and dO_i, and room to align them to 1024 bytes."""
+    return BARRIERS + 2 * (own("dkv") * (d + d_v)
                            + 2 * STREAMED * (d + d_v)) + ALIGN
 
 
@@ -259,200 +241,58 @@ def make_dkv(D, D_V, kind="bf16"):
     return backward_v8_dkv
 
 
-def make_dq(D, D_V, kind="bf16"):
-    """dQ = tau dS K for head dims D, D_V and `kind`: backward_v7's dQ
-    kernel with its copies and block barrier replaced by a producer warp
-    (TMA on mbarriers)."""
-    BR, BC = own_rows("dq"), STREAMED  # query rows per block, keys a tile
-    CONSUMERS = 128 * DQ_GROUPS  # consumer threads; the producer's warp
-    KD, KV, KP = D // 16, D_V // 16, BC // 16  # k-steps: S, dP, dQ
-    NS, NQ = BC // 8, D // 8  # n-tiles of S (and dP), of dQ
-    Q_B, O_B = 2 * BR * D, 2 * BR * D_V  # the block's own tiles, bytes
-    K_B, V_B = 2 * BC * D, 2 * BC * D_V  # one stage of each streamed
-    STAGE_B = K_B + V_B
-    lbo, sbo, _, _ = fragments.k_major_128b(BR)
-    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BC)  # K_j as B of dQ
-    s_issue = mma_ss(BC, KD, k_steps_128b(BR, KD), k_steps_128b(BC, KD),
-                     kind, wait=False)
-    p_issue = mma_ss(BC, KV, k_steps_128b(BR, KV), k_steps_128b(BC, KV),
-                     kind, wait=False)
-    g_issue = mma_rs(D, KP, step_t, kind, wait=False)
-    sp_wait = wait_for(0, NS * 4, NS * 4)
-    g_wait = wait_for(0, NQ * 4, KP * 4)  # dQ, and dS (its A operand)
-    to_a = make_to_a(PACKS[kind], KP)
-    store_pairs = make_store_pairs(PACKS[kind], NQ)
-
-    @cuda.jit
-    def backward_v8_dq(q, k, v, do, stats, delta, dq, rules, kv_len, mask,
-                       maps):
-        # q, k, v, do: (BH, N, d) 16-bit bits; delta: (BH, Nq); stats:
-        # shifts (BH, Nq), then norms (BH, Nq) if present; dq: (BH, Nq,
-        # d / 2) 16-bit pairs; maps: the tensor maps of q, k, v, do
-        tiles = cuda.shared.array(0, int16)  # Q_i, dO_i, 2 x (K_j, V_j)
-        t = cuda.threadIdx.x
-        w, lane = t // 32, t % 32
-        b = cuda.blockIdx.y
-        bk = b // rules.group  # the K/V head of query head b
-        # the last query blocks first: causal, they visit the most tiles
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
-        nq, nk = q.shape[1], k.shape[1]
-        i1 = min(i0 + BR, nq)
-        kv = kv_len[b]  # once: the loop's asm fences would reload it
-        first, last = tile_range(i0, i1, nk, BC, rules, kv)
-        at = shared_address(tiles, 0)
-        bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
-        q_at = bars + uint32(BARRIERS)
-        o_at = q_at + uint32(Q_B)
-        k_at = o_at + uint32(O_B)  # stage s: STAGE_B s bytes on
-        v_at = k_at + uint32(K_B)
-        if t == 0:
-            # Q/dO and full: the producer's arrival (and the bytes);
-            # empty: every consumer thread's
-            tma.mbarrier_init(bars + uint32(8 * KV_FULL), uint32(1))
-            for s in range(2):
-                tma.mbarrier_init(bars + uint32(8 * (FULL + s)), uint32(1))
-                tma.mbarrier_init(bars + uint32(8 * (EMPTY + s)),
-                                  uint32(CONSUMERS))
-            tma.fence_mbarrier_init()
-        cuda.syncthreads()
-        if t >= CONSUMERS:  # the producer's warp: one thread copies
-            if t == CONSUMERS and first <= last:
-                maps_at = global_address(maps, 0)
-                full = bars + uint32(8 * KV_FULL)  # here Q_i and dO_i
-                tma.arrive_expect_tx(full, uint32(Q_B + O_B))
-                for p in range(D // BOX):
-                    tma.load_3d(q_at + uint32(p * BR * 128), maps_at,
-                                int32(p * BOX), int32(i0), int32(b), full)
-                for p in range(D_V // BOX):
-                    tma.load_3d(o_at + uint32(p * BR * 128),
-                                maps_at + uint64(384), int32(p * BOX),
-                                int32(i0), int32(b), full)
-                for jt in range(first, last + 1):
-                    n = jt - first
-                    s, phase = n % 2, (n // 2) % 2
-                    tma.wait(bars + uint32(8 * (EMPTY + s)),
-                             uint32(1 - phase))
-                    full = bars + uint32(8 * (FULL + s))
-                    stage = uint32(STAGE_B * s)
-                    tma.arrive_expect_tx(full, uint32(STAGE_B))
-                    for p in range(D // BOX):
-                        tma.load_3d(k_at + stage + uint32(p * BC * 128),
-                                    maps_at + uint64(128), int32(p * BOX),
-                                    int32(jt * BC), int32(bk), full)
-                    for p in range(D_V // BOX):
-                        tma.load_3d(v_at + stage + uint32(p * BC * 128),
-                                    maps_at + uint64(256), int32(p * BOX),
-                                    int32(jt * BC), int32(bk), full)
-            return
-        sf = cuda.local.array((NS, 4), float32)  # S, then P, then dS
-        pf = cuda.local.array((NS, 4), float32)  # dP
-        af = cuda.local.array((KP, 4), int32)  # dS: A of each k-step
-        gf = cuda.local.array((NQ, 4), float32)  # dQ_i
-        sh = cuda.local.array(2, float32)  # rows g, g + 8: row_terms
-        zn = cuda.local.array(2, float32)
-        dl = cuda.local.array(2, float32)
-        row = i0 + 16 * w + lane // 4  # this lane's first row (g)
-        wg = uint32(WG_ROWS * (w // 4))  # this warpgroup's rows
-        q_desc = uint64(descriptor_128b(q_at + wg, lbo, sbo))
-        o_desc = uint64(descriptor_128b(o_at + wg, lbo, sbo))
-        k_desc = uint64(descriptor_128b(k_at, lbo, sbo))
-        v_desc = uint64(descriptor_128b(v_at, lbo, sbo))
-        t_desc = uint64(descriptor_128b(k_at, lbo_t, sbo_t))
-        next_stage = uint64(STAGE_B >> 4)  # in descriptor units
-        for h in range(2):
-            r0, r1, r2 = row_terms(stats, delta, b, row + 8 * h, nq,
-                                   q.shape[0], rules.drop_scale)
-            sh[h], zn[h], dl[h] = r0, r1, r2
-        for n in range(NQ):
-            for x in range(4):
-                gf[n, x] = F0
-        tau = rules.scale
-        if first <= last:
-            tma.wait(bars + uint32(8 * KV_FULL), uint32(0))
-        for jt in range(first, last + 1):
-            n = jt - first
-            s, phase = n % 2, (n // 2) % 2
-            j0 = jt * BC
-            tma.wait(bars + uint32(8 * (FULL + s)), uint32(phase))
-            at_now = next_stage * uint64(s)
-            s_issue(sf, q_desc, k_desc + at_now)
-            p_issue(pf, o_desc, v_desc + at_now)
-            sp_wait(sf, pf)
-            if rules.use_mask or j0 + BC > nk or not tile_full(
-                    i0, i1, j0, j0 + BC, rules, kv):
-                mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
-                            NS)  # masked scores -inf: P 0
-            gone = dropped_bits(b, row, j0, rules, NS) if (
-                rules.use_dropout) else int64(0)
-            ds_of_rows(sf, pf, NS, tau, sh, zn, dl, gone)
-            to_a(af, sf)  # dS rounded to 16 bits: dQ's A operand
-            g_issue(gf, af, t_desc + at_now)
-            g_wait(gf, af)
-            tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
-        store_pairs(gf, dq, b, row, nq, lane % 4, tau)
-
-    return backward_v8_dq
-
-
 # the host's side: tensor maps --------------------------------------------
 
-def tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v,
-                q_rows, kv_rows):
+def tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v):
     """The four tensor maps (64 uint64 words) of (bh, nq, d) q and dO
-    and (bh_kv, nk, d / d_v) k and v: Q_i and dO_i boxes of q_rows rows,
-    K_j and V_j boxes of kv_rows, 64 columns each."""
-    return np.concatenate([
-        forward_v8.encode(q_at, nq, bh, d, q_rows),
-        forward_v8.encode(k_at, nk, bh_kv, d, kv_rows),
-        forward_v8.encode(v_at, nk, bh_kv, d_v, kv_rows),
-        forward_v8.encode(do_at, nq, bh, d_v, q_rows)])
+    and (bh_kv, nk, d / d_v) k and v: Q_i and dO_i boxes of STREAMED
+    rows, K_j and V_j boxes of a block's keys, 64 columns each."""
+    rows, keys = STREAMED, own("dkv")
+    return np.concatenate([forward_v8.encode(q_at, nq, bh, d, rows),
+                           forward_v8.encode(k_at, nk, bh_kv, d, keys),
+                           forward_v8.encode(v_at, nk, bh_kv, d_v, keys),
+                           forward_v8.encode(do_at, nq, bh, d_v, rows)])
 
 
-# box rows (Q_i and dO_i, K_j and V_j) and the maps' place among the
-# arguments, by kernel: dK/dV streams queries, dQ keys
-BOXES = {"dkv": (STREAMED, own("dkv"), 11), "dq": (None, STREAMED, 10)}
 _SLOTS = []  # the one forward_v8._Slots of 64 words, made at first use
+MAPS_ARG = 11  # the maps' place among the kernel's arguments
 
 
-def _maps_for(packed, stream, part):
+def _maps_for(packed, stream):
     """The device address of the tensor maps of the q, k, v, dO packed
-    in `packed` (arguments 0 to 3) for kernel `part`."""
+    in `packed` (arguments 0 to 3)."""
     from flashlab.gpu.launch import DATA_FIELD
 
     offset = packed.kernel.layout.offset
     (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v), (
         do_at, _, _, _) = (forward_v8._FIELDS.unpack_from(
             packed.buffer, offset(arg, DATA_FIELD)) for arg in range(4))
-    q_rows, kv_rows, _ = BOXES[part]
-    q_rows = q_rows or own_rows(part)
     if not _SLOTS:
         _SLOTS.append(forward_v8._Slots(64))
     return _SLOTS[0].address(
-        (q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v, q_rows,
-         kv_rows),
+        (q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v),
         lambda: tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d,
-                            d_v, q_rows, kv_rows), stream)
+                            d_v), stream)
 
 
-def derived(part):
-    """launch.Derived of kernel `part`'s last argument, the tensor maps,
-    as registry.Kernel.derived takes it (a function of d, d_v)."""
+def derived(d, d_v):
+    """launch.Derived of the kernel's last argument, the tensor maps."""
     from flashlab.gpu.launch import Derived
 
     def placeholders():
         return (cuda.device_array(64, np.uint64),)
 
     def update(packed, stream):
-        packed.point(BOXES[part][2], _maps_for(packed, stream, part))
+        packed.point(MAPS_ARG, _maps_for(packed, stream))
 
-    return lambda d, d_v: Derived(placeholders, update)
+    return Derived(placeholders, update)
 
 
-def compile_ptx(part, d, d_v, kind="bf16"):
-    """PTX of kernel `part` ("dkv" or "dq") for sm_90a; needs no GPU."""
+def compile_ptx(d, d_v, kind="bf16"):
+    """PTX of the kernel for sm_90a; needs no GPU."""
     from flashlab.gpu import build, registry
 
-    spec = registry.get(f"backward_v8_{part}_{kind}")
+    spec = registry.get(f"backward_v8_dkv_{kind}")
     with build.compiling_without_gpu(CC[:2]):
         ptx, _ = cuda.compile_ptx(spec.make(d, d_v).py_func,
                                   registry.argument_types(spec.args), cc=CC)

@@ -250,8 +250,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
     float32 as the forward returns it: `version` 8 (`backward_v8`, v7's
-    kernels warp-specialized; its dK/dV kernel is v7's but at d = d_v =
-    64), 7
+    kernels with a warp-specialized dK/dV, d = d_v = 64), 7
     (`backward_v7`, wgmma; both Hopper only, gradients in the inputs'
     dtype, rounded once from float32) or 5 (`backward_v5`, mma.sync;
     float32 gradients), None for the newest the GPU runs at these head
@@ -259,7 +258,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     deterministic=False lets v7 run its fused kernel, which adds each
     tile pair's dQ to a float32 dQ by atomics (five products a tile pair
     instead of seven; the order of the additions, so dQ's last bits,
-    vary from run to run); elsewhere (v8 among them) it changes
+    vary from run to run); elsewhere, and where v8 runs, it changes
     nothing.
     """
     deterministic = check_flag("deterministic", deterministic)
@@ -361,8 +360,9 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
     cc = (9, 0) if simulator else launch.device_cc()  # refused later
     kind = "bf16" if dtype == "bfloat16" else "f16"
     if version is None:
-        # v8 where it runs (faster than v7's fused kernel, and
-        # deterministic)
+        # v8 where it runs (at d = 64 it is faster than v7's fused
+        # kernel, and deterministic), else v7 with the fused kernel where
+        # atomics are allowed
         version = registry.backward_version(dtype, d, d_v, cc)
     elif isinstance(version, bool) or \
             version not in registry.BACKWARD_VERSIONS:
@@ -370,8 +370,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
                          f"{registry.BACKWARD_VERSIONS} or None for the "
                          f"16-bit backward, got {version!r}")
     else:
-        spec = registry.get(registry.backward_names(version, kind, d,
-                                                    d_v)[1])
+        spec = registry.get(registry.backward_names(version, kind)[0])
         if not simulator and not spec.runs_on(cc):
             raise ValueError(
                 f"version: backward v{version} does not run on compute "
@@ -384,7 +383,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
                 f"the best that takes them)")
     if version == 7 and not deterministic:
         return f"backward_v7_fused_{kind}", None
-    return registry.backward_names(version, kind, d, d_v)
+    return registry.backward_names(version, kind)
 
 
 def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):

@@ -158,22 +158,14 @@ KERNELS = (
                          ("dkv", backward_v7.make_dkv),
                          ("fused", backward_v7.make_fused))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
-    # v7's kernels warp-specialized (TMA on mbarriers): dK/dV at d = 64
-    # (setmaxnreg), dQ at 64 and 128
+    # v7's dK/dV kernel warp-specialized (TMA, setmaxnreg), d = 64; its
+    # dQ is v7's
     *(Kernel(f"backward_v8_dkv_{kind}",
              functools.partial(backward_v8.make_dkv, kind=kind),
              "backward16_dkv_tma", (dtype,), backward_v8.HEAD_DIMS, (9, 0),
-             backward_v8.threads("dkv"),
-             max_registers=backward_v8.max_registers, max_cc=(9, 0),
-             shared=functools.partial(backward_v8.shared_bytes, "dkv"),
-             derived=backward_v8.derived("dkv"), grads16=True)
-      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
-    *(Kernel(f"backward_v8_dq_{kind}",
-             functools.partial(backward_v8.make_dq, kind=kind),
-             "backward16_dq_tma", (dtype,), backward_v8.DQ_DIMS, (9, 0),
-             backward_v8.threads("dq"), max_cc=(9, 0),
-             shared=functools.partial(backward_v8.shared_bytes, "dq"),
-             derived=backward_v8.derived("dq"), grads16=True)
+             backward_v8.threads(), max_registers=backward_v8.max_registers,
+             max_cc=(9, 0), shared=backward_v8.shared_bytes,
+             derived=backward_v8.derived, grads16=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
@@ -254,12 +246,12 @@ def best_version(dtype, d, d_v, cc, simulator=False):
 
 
 def backward_version(dtype, d, d_v, cc):
-    """The 16-bit backward `version=None` runs: 8 (warp-specialized: its
-    dQ kernel at d = 64 and 128, its dK/dV at 64) on Hopper, 5 (mma.sync)
-    from compute capability 8.0 on; None where neither runs (the caller
-    widens to float32)."""
+    """The 16-bit backward `version=None` runs: 8 (v7's kernels with a
+    warp-specialized dK/dV) on Hopper where it takes d, d_v, else 7
+    (wgmma) there, 5 (mma.sync) from compute capability 8.0 on; None where
+    none runs (the caller widens to float32)."""
     for version in BACKWARD_VERSIONS:
-        spec = BY_NAME[backward_names(version, "bf16", d, d_v)[1]]
+        spec = BY_NAME[f"backward_v{version}_dkv_bf16"]
         if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc):
             return version
     return None
@@ -268,14 +260,11 @@ def backward_version(dtype, d, d_v, cc):
 BACKWARD_VERSIONS = (8, 7, 5)  # of the 16-bit backward, newest first
 
 
-def backward_names(version, kind, d, d_v):
+def backward_names(version, kind):
     """(dK/dV, dQ) kernel names of 16-bit backward `version` on `kind`
-    inputs at head dims d, d_v: v8's dK/dV kernel is v7's where v8's is
-    not built for them."""
-    dkv = f"backward_v{version}_dkv_{kind}"
-    if version == 8 and not BY_NAME[dkv].takes(d, d_v):
-        dkv = f"backward_v7_dkv_{kind}"
-    return dkv, f"backward_v{version}_dq_{kind}"
+    inputs: v8's dQ kernel is v7's."""
+    return (f"backward_v{version}_dkv_{kind}",
+            f"backward_v{min(version, 7)}_dq_{kind}")
 
 
 def argument_types(args):
@@ -321,8 +310,6 @@ def argument_types(args):
         "backward16_dkv_pairs": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                  int32[:, :, ::1], *common),
         # and the TMA tensor maps of q, k, v, dO (backward_v8)
-        "backward16_dq_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
-                              *common, uint64[::1]),
         "backward16_dkv_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                int32[:, :, ::1], *common, uint64[::1]),
         # and dQ, float32, summed into by atomics (backward_v7.make_fused)

@@ -50,7 +50,6 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "backward16_dq_pairs": ("dq",),
            "backward16_dkv_pairs": ("dk", "dv"),
            "backward16_dkv_tma": ("dk", "dv"),
-           "backward16_dq_tma": ("dq",),
            "backward16_fused_pairs": ("dk", "dv", "dq"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
@@ -163,14 +162,12 @@ def _backward_wgmma(m, d, d_v, keys):
 
 
 def _backward_ws(m, d, d_v, keys):
-    """_backward_wgmma's consumer warpgroups and a producer (backward_v8):
-    its threads and own rows, the same streamed tiles; the dK/dV kernel's
-    row terms in static SRAM, the dQ kernel's none."""
+    """_backward_wgmma's consumer warpgroups and a producer's (backward_v8):
+    its threads, the same tiles."""
     from flashlab.gpu import backward_v7
 
-    part = "dkv" if keys else "dq"
     return dict(_backward_wgmma(backward_v7, d, d_v, keys),
-                br=m.own_rows(part), threads=m.threads(part))
+                threads=m.threads(d, d_v))
 
 
 def _helper(spec):
@@ -205,7 +202,6 @@ LAYOUTS = {
     "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
     "backward_v7.make_fused": functools.partial(_backward_wgmma, keys=True),
     "backward_v8.make_dkv": functools.partial(_backward_ws, keys=True),
-    "backward_v8.make_dq": functools.partial(_backward_ws, keys=False),
 }
 
 
