@@ -91,16 +91,19 @@ def test_backward_v8_against_float64(rng):
 
 def test_backward_v8_is_the_default_at_d64_and_refused_at_d128(rng):
     # version None runs v8 where it takes the head dims (the same bits
-    # as asking for it), v7 elsewhere; asking for it at d = 128 names
-    # the head dims it is built for
+    # as asking for it), deterministic=False too (it is faster than v7's
+    # fused kernel); asking for it at d = 128 names the head dims it is
+    # built for
     import torch
 
     q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16")
     o, lse = gpu.attention(q, k, v, return_lse=True)
-    got = gpu.attention_backward(q, k, v, o, lse, do, causal=True)
     want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
                                   version=8)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for flag in (True, False):
+        got = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
+                                     deterministic=flag)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), flag
     wide = [torch.cat([x, x], -1) for x in (q, k, v, do)]
     o2, lse2 = gpu.attention(*wide[:3], return_lse=True)
     with pytest.raises(ValueError, match="version: backward v8 is built "
