@@ -1,6 +1,7 @@
 """Kernel arguments a launch derives from the caller's (launch.Derived):
 forward_v8's tensor maps, made from q, k and v before every launch, so
-its callers pass v5's arguments. No GPU: the driver call is recorded."""
+its callers pass v5's arguments, and backward_v8's, from q, k, v and dO.
+No GPU: the driver call is recorded."""
 
 import itertools
 
@@ -113,3 +114,83 @@ def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
     assert ring.seen == ((0x1000, 0x2000, 0x3000, 6, 100, 3, 130, 64, 128),
                          7)
     assert packed.read(9, launch.DATA_FIELD) == 0x5000
+
+
+def test_backward_v8_is_registered_with_its_maps_derived():
+    # callers pass backward_v7's dK/dV arguments; the kernel takes one
+    # more, the maps of q, k, v and dO
+    from flashlab.gpu import backward_v8
+
+    for kind in ("bf16", "f16"):
+        spec = registry.get(f"backward_v8_dkv_{kind}")
+        v7 = registry.argument_types(
+            registry.get(f"backward_v7_dkv_{kind}").args)
+        v8 = registry.argument_types(spec.args)
+        assert v8[:-1] == v7 and str(v8[-1]) == "array(uint64, 1d, C)"
+        assert spec.derived is not None and spec.grads16
+        assert spec.takes(64, 64) and not spec.takes(128, 128)
+        assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
+    # the producer's decrease covers the consumers' increase (else the
+    # increase waits for ever), within the block's registers
+    cap, keep, grow = backward_v8.REGISTERS
+    threads = backward_v8.threads()
+    assert cap == backward_v8.max_registers() and cap % 8 == 0
+    assert keep * 128 + grow * (threads - 128) <= cap * threads
+    assert cap * threads <= 65536 < (cap + 8) * threads
+    assert backward_v8.shared_bytes(64, 64) <= 227 * 1024
+    # version None picks it on Hopper at d = 64 only
+    assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 8
+    assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 7
+    assert registry.backward_version("float16", 64, 64, (8, 0)) == 5
+    assert registry.backward_names(8, "f16") == ("backward_v8_dkv_f16",
+                                                 "backward_v7_dq_f16")
+
+
+def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch):
+    # what its update reads from a packed launch: the data pointers and
+    # dims of q, k, v, dO; Q_i and dO_i boxes of STREAMED rows, K_j and
+    # V_j boxes of a block's keys; the set keyed by all of them
+    from flashlab.gpu import backward_v7, backward_v8
+
+    encoded = []
+    monkeypatch.setattr(forward_v8, "encode", lambda *a: encoded.append(
+        a) or np.full(16, len(encoded), np.uint64))
+
+    class Ring:
+        def address(self, key, make, stream):
+            self.seen, self.words = (key, stream), make()
+            return 0x6000
+
+    ring = Ring()
+    monkeypatch.setattr(backward_v8, "_SLOTS", [ring])
+    kernel = launch.DriverKernel(
+        "k", 0, registry.argument_types("backward16_dkv_tma"), None)
+    kernel.derived = launch.Derived(
+        lambda: (FakeDeviceArray((64,), np.uint64, 0),),
+        backward_v8.derived(64, 64).update)
+    driver = FakeDriver()
+    monkeypatch.setattr(launch, "_cuda", lambda: driver)
+    from flashlab.kernel_args import KernelRules
+
+    args = (FakeDeviceArray((6, 100, 64), np.int16, 0x1000),
+            FakeDeviceArray((3, 130, 64), np.int16, 0x2000),
+            FakeDeviceArray((3, 130, 64), np.int16, 0x3000),
+            FakeDeviceArray((6, 100, 64), np.int16, 0x4000),
+            FakeDeviceArray((12, 100), np.float32, 0x4800),
+            FakeDeviceArray((6, 100), np.float32, 0x4900),
+            FakeDeviceArray((3, 130, 32), np.int32, 0x5000),
+            FakeDeviceArray((3, 130, 32), np.int32, 0x5800),
+            KernelRules(np.float32(0.1), False, 0, -1, -1, False,
+                        np.uint64(0), np.uint64(0), False, np.float32(0),
+                        np.float32(0), 2),
+            FakeDeviceArray((6,), np.int64, 0x5A00),
+            FakeDeviceArray((1, 1, 1), np.uint8, 0x5B00))
+    packed = kernel.pack(*args)
+    packed.launch((2, 3), backward_v8.threads(), 7)
+    assert ring.seen == ((0x1000, 0x2000, 0x3000, 0x4000, 6, 100, 3, 130,
+                          64, 64), 7)
+    assert packed.read(backward_v8.MAPS_ARG, launch.DATA_FIELD) == 0x6000
+    rows, keys = backward_v7.STREAMED, backward_v7.own("dkv")
+    assert encoded == [(0x1000, 100, 6, 64, rows), (0x2000, 130, 3, 64, keys),
+                       (0x3000, 130, 3, 64, keys), (0x4000, 100, 6, 64, rows)]
+    assert list(ring.words) == [1] * 16 + [2] * 16 + [3] * 16 + [4] * 16

@@ -261,3 +261,53 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
             assert r["copies"] == 0 and r["bars"] == 1, (key, r)
             assert r["setmaxnreg"] == 2, (key, r)
             assert r["regs"] <= forward_v8.max_registers(d, dv), (key, r)
+
+
+BACKWARD_V8_SCRIPT = """
+import json
+from flashlab import ptx
+from flashlab.gpu import backward_v7, backward_v8, registry
+out = {}
+for kind in ("bf16", "f16"):
+    spec = registry.get(f"backward_v8_dkv_{kind}")
+    text = backward_v8.compile_ptx(64, 64, kind)
+    v7 = backward_v7.compile_ptx("dkv", 64, 64, kind)
+    out[kind] = dict(
+        wgmma=text.count("wgmma.mma_async"),
+        v7_wgmma=v7.count("wgmma.mma_async"),
+        tma=text.count("cp.async.bulk.tensor"),
+        copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
+        v7_bars=v7.count("bar.sync"), v7_copies=v7.count("cp.async.cg"),
+        setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
+        f64=ptx.float64_ops(text),
+        **ptx.assemble(text, backward_v8.CC, spec.registers(64, 64)))
+print(json.dumps(out))
+"""
+
+
+def test_backward_v8_copies_by_tma_without_a_block_barrier():
+    # backward_v8's dK/dV kernel: v7's four products a tile pair (the
+    # same wgmma statements), its copies TMA boxes (K_j, V_j, Q_i, dO_i)
+    # where v7 copies with cp.async, and its one block barrier the one
+    # after the mbarriers' set-up (v7's is in its loop); setmaxnreg both
+    # ways; assembled by ptxas with its register cap, nothing spilled
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", BACKWARD_V8_SCRIPT],
+                          env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for kind, r in json.loads(done.stdout).items():
+        assert r["wgmma"] == r["v7_wgmma"] == 16, (kind, r)
+        assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
+        assert r["v7_copies"] > 0 and r["v7_bars"] >= 1, (kind, r)
+        assert r["bars"] == 1, (kind, r)
+        assert r["setmaxnreg"] == 2, (kind, r)
+        assert r["local"] == 0 and r["f64"] == 0, (kind, r)
+        assert not r["stack"] and not r["spill"], (kind, r)
+        assert not r["serialized"], (kind, r)
