@@ -8,8 +8,8 @@ CUDA graphs capture them. CPU tensors (float32, float64) run the numba
 kernels of flashlab.cpu (the tiled numpy path where they cannot, see
 `_cpu_backend`), CUDA tensors the kernels of flashlab.gpu in place, launched
 through the driver on torch's current stream: float32 on v6 (3xTF32),
-bf16 and float16 on the tensor cores (v8 and backward_v7 on Hopper,
-v5 and backward_v5 elsewhere). The forward saves q, k, v, o and the row
+bf16 and float16 on the tensor cores (v8 and backward v8 or v7 on
+Hopper, v5 and backward_v5 elsewhere). The forward saves q, k, v, o and the row
 log-sum-exp only; the backward recomputes score tiles from them, so no
 (Nq, Nk) tensor lives between the two passes. The backward is itself not
 differentiable: asking for a second derivative raises instead of
@@ -276,8 +276,9 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     seed, order, num_splits; with return_lse also the row log-sum-exp
     (..., L), which carries no gradient. deterministic=False lets the
     backward add dQ by atomics where a kernel does (v7's fused kernel on
-    Hopper: fewer products, no faster as measured on the H200, dQ's last
-    bits vary run to run); the default gives the same bits every run.
+    Hopper at d = 128: fewer products, no faster as measured on the H200,
+    dQ's last bits vary run to run); the default gives the same bits
+    every run.
     With dropout_p > 0 and no seed, a seed is drawn from torch's
     generator, so torch.manual_seed makes runs repeatable. Rows that no
     key may attend give 0 (and lse -inf) where SDPA gives NaN. See

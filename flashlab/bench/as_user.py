@@ -1,7 +1,9 @@
 """Attention as a model calls it, by name, for the torch-level suites.
 
 "flashlab" is flashlab.torch.attention ("flashlab atomic dq" with
-deterministic=False: its backward may add dQ by atomics); "torch sdpa"
+deterministic=False: its backward may add dQ by atomics, which on Hopper
+is backward_v7's fused kernel at d = 128; at d = 64 it runs backward v8,
+as "flashlab" does); "torch sdpa"
 is torch's scaled_dot_product_attention choosing its own backend;
 "torch flash" and "torch cudnn" restrict it to one backend.
 """

@@ -14,7 +14,8 @@ package, in the order chapters 9 and 10 read it:
   and cp.async from numba, and the warp-level kernels built on them;
 - `backward`: dK/dV and dQ kernels, deterministic, no atomics;
   `backward_v5` on mma.sync and `backward_v7` on Hopper's wgmma, the
-  same two kernels for bf16 and float16;
+  same two kernels for bf16 and float16, and `backward_v8`, v7's dK/dV
+  kernel warp-specialized (d = 64);
 - `wgmma`, `tma`, `forward_v7`, `forward_v8`: Hopper's warpgroup MMA,
   tensor-memory copies and mbarriers, and the forwards built on them
   (chapter 12);
@@ -38,6 +39,7 @@ from flashlab.gpu import (  # noqa: F401
     backward,
     backward_v5,
     backward_v7,
+    backward_v8,
     device,
     forward_v1,
     forward_v2,
