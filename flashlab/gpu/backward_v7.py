@@ -250,6 +250,27 @@ def next_item(g, it, groups, nt, nq, j0, j1, rules, kv_len, b0):
     return g, it
 
 
+# the dK/dV kernels' descriptor strides (LBO, SBO): own keys and the
+# streamed queries read K-major (the same at any rows), and the streamed
+# queries MN-major as the B operand of dK and dV
+LBO_K, SBO_K = fragments.k_major_128b(own("dkv"))[:2]
+LBO_MN, SBO_MN = fragments.mn_major_128b(STREAMED)[:2]
+
+
+@inline
+def key_descriptors(k_at, v_at, q_at, o_at, wg):
+    """(K_j, V_j, Q_i, dO_i, Q_i MN-major, dO_i MN-major) descriptors of a
+    dK/dV kernel: its warpgroup's keys (wg bytes in) of the own tiles at
+    k_at, v_at, and stage 0 of the streamed ones at q_at, o_at."""
+    lbo, sbo, lbo_t, sbo_t = LBO_K, SBO_K, LBO_MN, SBO_MN
+    return (uint64(descriptor_128b(k_at + wg, lbo, sbo)),
+            uint64(descriptor_128b(v_at + wg, lbo, sbo)),
+            uint64(descriptor_128b(q_at, lbo, sbo)),
+            uint64(descriptor_128b(o_at, lbo, sbo)),
+            uint64(descriptor_128b(q_at, lbo_t, sbo_t)),
+            uint64(descriptor_128b(o_at, lbo_t, sbo_t)))
+
+
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO, for head dims D, D_V and `kind`."""
     return _make_keys(D, D_V, kind, with_dq=False)
@@ -314,8 +335,7 @@ def _make_keys(D, D_V, kind, with_dq):
     K_S, V_S = BK * D, BK * D_V  # the block's own tiles (16-bit values)
     Q_S, O_S = BQ * D, BQ * D_V  # one stage of each streamed tile
     OWN_S, STAGE_S = K_S + V_S, Q_S + O_S
-    lbo, sbo, _, _ = fragments.k_major_128b(BK)
-    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BQ)  # Q_i, dO_i as B
+    step_t = fragments.mn_major_128b(BQ)[2]  # Q_i, dO_i as B
     scores_t = make_scores_t(D, D_V, kind)
     v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
     k_issue = mma_rs(D, KP, step_t, kind, wait=False)
@@ -364,12 +384,8 @@ def _make_keys(D, D_V, kind, with_dq):
         o_at = q_at + uint32(2 * Q_S)
         ds_at = q_at + uint32(4 * STAGE_S)  # dS^T, after both stages
         wg = uint32(WG_ROWS * (w // 4))  # this warpgroup's keys
-        k_desc = uint64(descriptor_128b(k_at + wg, lbo, sbo))
-        v_desc = uint64(descriptor_128b(v_at + wg, lbo, sbo))
-        q_desc = uint64(descriptor_128b(q_at, lbo, sbo))
-        o_desc = uint64(descriptor_128b(o_at, lbo, sbo))
-        qt_desc = uint64(descriptor_128b(q_at, lbo_t, sbo_t))
-        ot_desc = uint64(descriptor_128b(o_at, lbo_t, sbo_t))
+        k_desc, v_desc, q_desc, o_desc, qt_desc, ot_desc = \
+            key_descriptors(k_at, v_at, q_at, o_at, wg)
         # dQ's operands: this warpgroup's keys of dS^T and K_j, or all
         # keys and its panel of K_j (dq_split)
         mine = wg if OWN_KEYS else uint32(0)

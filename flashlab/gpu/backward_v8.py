@@ -32,13 +32,14 @@ from flashlab.gpu.backward_v7 import (
     PACKS,
     STREAMED,
     WG_ROWS,
+    key_descriptors,
     make_scores_t,
     make_store_pairs,
     next_item,
     own,
 )
 from flashlab.gpu.device import F0
-from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
+from flashlab.gpu.forward_v7 import ALIGN, CC, make_to_a
 from flashlab.gpu.intrinsics import global_address, shared_address
 from flashlab.gpu.wgmma import mma_rs, wait_for
 
@@ -89,8 +90,7 @@ def make_dkv(D, D_V, kind="bf16"):
     K_B, V_B = 2 * BK * D, 2 * BK * D_V  # the block's own tiles, bytes
     Q_B, O_B = 2 * BQ * D, 2 * BQ * D_V  # one stage of each streamed
     STAGE_B = Q_B + O_B
-    lbo, sbo, _, _ = fragments.k_major_128b(BK)
-    lbo_t, sbo_t, step_t = fragments.mn_major_128b(BQ)  # Q_i, dO_i as B
+    step_t = fragments.mn_major_128b(BQ)[2]  # Q_i, dO_i as B
     scores_t = make_scores_t(D, D_V, kind)
     v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
     k_issue = mma_rs(D, KP, step_t, kind, wait=False)
@@ -195,12 +195,8 @@ def make_dkv(D, D_V, kind="bf16"):
         key = j0 + 16 * wc + lane // 4  # this lane's first key (g)
         tq = 2 * (lane % 4)  # this lane's first column in an n-tile
         wg = uint32(WG_ROWS * (wc // 4))  # this warpgroup's keys
-        k_desc = uint64(descriptor_128b(k_at + wg, lbo, sbo))
-        v_desc = uint64(descriptor_128b(v_at + wg, lbo, sbo))
-        q_desc = uint64(descriptor_128b(q_at, lbo, sbo))
-        o_desc = uint64(descriptor_128b(o_at, lbo, sbo))
-        qt_desc = uint64(descriptor_128b(q_at, lbo_t, sbo_t))
-        ot_desc = uint64(descriptor_128b(o_at, lbo_t, sbo_t))
+        k_desc, v_desc, q_desc, o_desc, qt_desc, ot_desc = \
+            key_descriptors(k_at, v_at, q_at, o_at, wg)
         next_stage = uint64(STAGE_B >> 4)  # in descriptor units
         for n in range(NK):
             for x in range(4):
