@@ -71,7 +71,7 @@ def main(argv=None):
                          "against flashlab, losses compared (gpt.csv)")
     ap.add_argument("--hopper", action="store_true",
                     help="v5, v7 and v8 (wgmma) forwards, v8 on e4m3, "
-                         "and backward_v5 and v7 against flash and "
+                         "and backward_v5, v7 and v8 against flash and "
                          "cuDNN, with accuracy and the ladder that built "
                          "v8 (Hopper)")
     ap.add_argument("--out", default=".", help="folder for csv and png")

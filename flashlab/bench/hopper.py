@@ -2,7 +2,7 @@
 
 `main` measures the bf16 forward of v5, v7 and v8 against torch's flash
 and cuDNN kernels (tensor.suite's forward cases, hopper.csv), the bf16
-backward of backward_v5 and v7 against theirs (hopper_backward.csv), the
+backward of backward_v5, v7 and v8 against theirs (hopper_backward.csv), the
 e4m3 forward against v8 and theirs on bf16 (hopper_fp8.csv), the
 forwards' error against float64 SDPA on the same inputs, e4m3's too
 (hopper.json), and the ladder
