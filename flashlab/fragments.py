@@ -205,6 +205,20 @@ def a_pair_offset(t, kp, r):
     return (row * 8 + (chunk ^ (row & 7))) * 16 + 4 * (lane % 4)
 
 
+def c_pair_offset32(t, n, h):
+    """Byte offset of float32 C fragment pair (n, 2 h) and (n, 2 h + 1) of
+    thread t of a warpgroup (wgmma_c_places: row 16 (t // 32) + lane // 4
+    + 8 h, columns 8 n + 2 (lane % 4) on) in a float32 tile of 64 rows
+    as TMA's boxes of 32 columns lie, one after another, each 128-byte
+    swizzled (`tma_box`): where the backward stages dQ for TMA's
+    reduction. A warp's pairs of one (n, h) fall on every bank twice."""
+    warp, lane = t // 32, t % 32
+    row = 16 * warp + lane // 4 + 8 * h
+    col = 8 * (n % 4) + 2 * (lane % 4)  # in box n // 4
+    return (n // 4) * 64 * 128 + row * 128 + \
+        ((col // 4) ^ (row & 7)) * 16 + 4 * (col % 4)
+
+
 def a8_from_c(r, y):
     """(n-tile, element) of S's C fragments that byte y of the 8-bit A
     register r packs.

@@ -132,12 +132,12 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
     # the producer's decrease covers the consumers' increase (else the
     # increase waits for ever), within the block's registers
-    cap, keep, grow = backward_v8.REGISTERS
     threads = backward_v8.threads()
-    assert cap == backward_v8.max_registers() and cap % 8 == 0
-    assert keep * 128 + grow * (threads - 128) <= cap * threads
-    assert cap * threads <= 65536 < (cap + 8) * threads
-    assert backward_v8.shared_bytes(64, 64) <= 227 * 1024
+    for cap, keep, grow in backward_v8.REGISTERS.values():
+        assert cap == backward_v8.max_registers() and cap % 8 == 0
+        assert keep * 128 + grow * (threads - 128) <= cap * threads
+        assert cap * threads <= 65536 < (cap + 8) * threads
+    assert backward_v8.shared_bytes(64, 64, fused=True) <= 227 * 1024
     # version None picks it on Hopper at d = 64 only
     assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 8
     assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 7
@@ -146,10 +146,13 @@ def test_backward_v8_is_registered_with_its_maps_derived():
                                                  "backward_v7_dq_f16")
 
 
-def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
+                                                        fused):
     # what its update reads from a packed launch: the data pointers and
     # dims of q, k, v, dO; Q_i and dO_i boxes of STREAMED rows, K_j and
-    # V_j boxes of a block's keys; the set keyed by all of them
+    # V_j boxes of a block's keys; the fused kernel's also dQ's (float32,
+    # boxes of STREAMED rows); the set keyed by all of them
     from flashlab.gpu import backward_v7, backward_v8
 
     encoded = []
@@ -162,12 +165,14 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch):
             return 0x6000
 
     ring = Ring()
-    monkeypatch.setattr(backward_v8, "_SLOTS", [ring])
-    kernel = launch.DriverKernel(
-        "k", 0, registry.argument_types("backward16_dkv_tma"), None)
+    words = 80 if fused else 64
+    monkeypatch.setattr(backward_v8, "_SLOTS", {words: ring})
+    kernel = launch.DriverKernel("k", 0, registry.argument_types(
+        "backward16_fused_tma" if fused else "backward16_dkv_tma"), None)
     kernel.derived = launch.Derived(
-        lambda: (FakeDeviceArray((64,), np.uint64, 0),),
-        backward_v8.derived(64, 64).update)
+        lambda: (FakeDeviceArray((words,), np.uint64, 0),),
+        (backward_v8.derived_fused if fused else backward_v8.derived)(
+            64, 64).update)
     driver = FakeDriver()
     monkeypatch.setattr(launch, "_cuda", lambda: driver)
     from flashlab.kernel_args import KernelRules
@@ -180,6 +185,8 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch):
             FakeDeviceArray((6, 100), np.float32, 0x4900),
             FakeDeviceArray((3, 130, 32), np.int32, 0x5000),
             FakeDeviceArray((3, 130, 32), np.int32, 0x5800),
+            *([FakeDeviceArray((6, 100, 64), np.float32, 0x5C00)]
+              if fused else []),
             KernelRules(np.float32(0.1), False, 0, -1, -1, False,
                         np.uint64(0), np.uint64(0), False, np.float32(0),
                         np.float32(0), 2),
@@ -187,10 +194,14 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch):
             FakeDeviceArray((1, 1, 1), np.uint8, 0x5B00))
     packed = kernel.pack(*args)
     packed.launch((2, 3), backward_v8.threads(), 7)
-    assert ring.seen == ((0x1000, 0x2000, 0x3000, 0x4000, 6, 100, 3, 130,
-                          64, 64), 7)
-    assert packed.read(backward_v8.MAPS_ARG, launch.DATA_FIELD) == 0x6000
+    dq = 0x5C00 if fused else None
+    assert ring.seen == ((0x1000, 0x2000, 0x3000, 0x4000, dq, 6, 100, 3,
+                          130, 64, 64), 7)
+    assert packed.read(backward_v8.MAPS_ARG + fused,
+                       launch.DATA_FIELD) == 0x6000
     rows, keys = backward_v7.STREAMED, backward_v7.own("dkv")
     assert encoded == [(0x1000, 100, 6, 64, rows), (0x2000, 130, 3, 64, keys),
-                       (0x3000, 130, 3, 64, keys), (0x4000, 100, 6, 64, rows)]
-    assert list(ring.words) == [1] * 16 + [2] * 16 + [3] * 16 + [4] * 16
+                       (0x3000, 130, 3, 64, keys), (0x4000, 100, 6, 64, rows)
+                       ] + [(0x5C00, 100, 6, 64, rows, 4)] * fused
+    assert list(ring.words) == sum(([m] * 16 for m in range(1, 5 + fused)),
+                                   [])

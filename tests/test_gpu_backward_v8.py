@@ -5,8 +5,11 @@ It forms the same products in the same order as v7's dK/dV kernel, from
 the same tiles and row terms, so its gradients are v7's bit for bit: that
 is the check at every semantic (ragged and unequal lengths, one row, one
 key, masks, windows, causal at both alignments, key lengths, dropout,
-grouped heads), on poisoned outputs. test_gpu_tensor_cores holds it to
-float64 within twice torch flash's error, as v5 and v7."""
+grouped heads), on poisoned outputs. Its fused kernel (deterministic=
+False: dQ in the same pass, added by TMA's reductions) gives v8's dK and
+dV bit for bit, and dQ within a unit of the dtype of v8's (float32 sums
+in another order, each rounded once). test_gpu_tensor_cores holds both
+to float64 within twice torch flash's error, as v5 and v7."""
 
 import numpy as np
 import pytest
@@ -71,6 +74,31 @@ def test_backward_v8_is_v7_bit_for_bit(rng, opts, dtype):
             assert torch.equal(g, w), (name, nq, nk, opts)
 
 
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_v8_fused_is_v8_up_to_dq_order(rng, opts, dtype):
+    import torch
+
+    for nq, nk in ((ragged(rng, 700), ragged(rng, 700)), (1, 1), (1, 70),
+                   (130, 1), (64, 64)):
+        q, k, v, do, kw = inputs(rng, opts, nq, nk, dtype)
+        o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
+        got = gpu.attention_backward(q, k, v, o, lse, do, version=8,
+                                     deterministic=False, **kw)
+        want = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
+        for name, g, w in zip("qkv", got, want):
+            assert g.dtype == w.dtype == q.dtype and g.shape == w.shape
+            assert not torch.isnan(g).any(), (name, nq, nk, opts)
+            if name == "q":  # a unit of the dtype at most, element-wise
+                unit = float(torch.finfo(g.dtype).eps)
+                gap = (g.float() - w.float()).abs()
+                assert bool((gap <= unit * w.float().abs() + unit * 2.0**-6
+                             * float(w.float().abs().max())).all()), (
+                    nq, nk, opts, float(gap.max()))
+            else:
+                assert torch.equal(g, w), (name, nq, nk, opts)
+
+
 def test_backward_v8_against_float64(rng):
     # not only v7's bits: a long ragged causal case against float64,
     # within the bound test_gpu_v7 holds v7 to (twice backward_v5's
@@ -91,19 +119,21 @@ def test_backward_v8_against_float64(rng):
 
 def test_backward_v8_is_the_default_at_d64_and_refused_at_d128(rng):
     # version None runs v8 where it takes the head dims (the same bits
-    # as asking for it), deterministic=False too (it is faster than v7's
-    # fused kernel); asking for it at d = 128 names the head dims it is
+    # as asking for it), its fused kernel under deterministic=False (v8's
+    # dK and dV); asking for it at d = 128 names the head dims it is
     # built for
     import torch
 
     q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16")
     o, lse = gpu.attention(q, k, v, return_lse=True)
-    want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
-                                  version=8)
     for flag in (True, False):
+        want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
+                                      version=8, deterministic=flag)
         got = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
                                      deterministic=flag)
-        assert all(torch.equal(g, w) for g, w in zip(got, want)), flag
+        assert all(torch.equal(g, w) for g, w in zip(got[1:], want[1:]))
+        if flag:
+            assert torch.equal(got[0], want[0])
     wide = [torch.cat([x, x], -1) for x in (q, k, v, do)]
     o2, lse2 = gpu.attention(*wide[:3], return_lse=True)
     with pytest.raises(ValueError, match="version: backward v8 is built "

@@ -304,7 +304,16 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
     """backward_v<version>'s (dq, dk, dv) of 16-bit q, k, v, o, do (numpy
     float16 or torch CUDA tensors), launched as the host launches them,
     with row_statistics_<kind>'s stats; float32 gradients, or 16-bit ones
-    for a kernel with registry `grads16`."""
+    for a kernel with registry `grads16`. Version "8 fused": gpu's
+    attention_backward with deterministic=False (dQ by TMA's reductions
+    into a float32 sum the host rounds)."""
+    if version == "8 fused":
+        from flashlab import gpu
+
+        got = gpu.attention_backward(q, k, v, o, lse, do, version=8,
+                                     deterministic=False, **opts)
+        return tuple(np.asarray(g.float().cpu()) if hasattr(g, "float")
+                     else g for g in got)
     call = call_of(q, k, v, opts)
     bh, nq, nk, d, d_v = call.bh, call.nq, call.nk, q.shape[-1], v.shape[-1]
     kind = "bf16" if "bfloat16" in str(q.dtype) else "f16"
@@ -358,7 +367,7 @@ def as64(*tensors):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [5, 7, 8])
+@pytest.mark.parametrize("version", [5, 7, 8, "8 fused"])
 @pytest.mark.parametrize("dtype, value, tau, do_scale", [
     ("bfloat16", 1.8e7, 0.5, 1.0), ("bfloat16", -3.0e38, 1.0, 2.0**-6),
     ("float16", 6.0e4, 0.5, 1.0)])
@@ -371,7 +380,9 @@ def test_16bit_backward_rows_of_equal_huge_scores(rng, dtype, value, tau,
     from test_gpu_tensor_cores import backward_version
 
     from flashlab import gpu
-    version = backward_version(version)
+    fused = version == "8 fused"
+    version = backward_version(8) and version if fused else \
+        backward_version(version)
 
     q, k, v = to16(dtype, *equal_scores(rng, value, d=64, d_v=64, tau=tau))
     o, lse = gpu.attention(q, k, v, scale=tau, version=5, return_lse=True)
@@ -379,7 +390,7 @@ def test_16bit_backward_rows_of_equal_huge_scores(rng, dtype, value, tau,
         np.float32))[0]
     got = backward16(q, k, v, o, lse, do, version, scale=tau)
     check_half(got, *half_grads(*as64(q, k, v, o, do), tau, dtype),
-               rounded=dtype if version >= 7 else None)
+               rounded=dtype if fused or version >= 7 else None)
 
 
 @pytest.mark.gpu
@@ -409,7 +420,7 @@ def test_v5_forward_scores_beyond_the_fold_limit(rng, version):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [5, 7, 8])
+@pytest.mark.parametrize("version", [5, 7, 8, "8 fused"])
 def test_16bit_backward_scores_beyond_the_fold_limit(rng, version):
     # the same scores through the tensor-core backwards (half_grads'
     # budget: P is one at each row's largest key, so dS is float32's
@@ -417,7 +428,9 @@ def test_16bit_backward_scores_beyond_the_fold_limit(rng, version):
     from test_gpu_tensor_cores import backward_version
 
     from flashlab import gpu
-    version = backward_version(version)
+    fused = version == "8 fused"
+    version = backward_version(8) and version if fused else \
+        backward_version(version)
 
     q, k, v = qkv(rng, (1, 2), 70, 90, 64, 64, dtype=np.float32)
     q[..., 0] = 1.7e19 * rng.choice([0.0, 1.0], (1, 2, 70))
@@ -427,7 +440,7 @@ def test_16bit_backward_scores_beyond_the_fold_limit(rng, version):
     do = to16("bfloat16", rng.standard_normal(o.shape).astype(np.float32))
     got = backward16(q, k, v, o, lse, do[0], version, scale=1.0)
     check_half(got, *half_grads(*as64(q, k, v, o, do[0]), 1.0, "bfloat16"),
-               rounded="bfloat16" if version >= 7 else None)
+               rounded="bfloat16" if fused or version >= 7 else None)
 
 
 def fold_inputs(rng):

@@ -171,19 +171,20 @@ def backward_version(version, d=64):
     return version
 
 
-@pytest.mark.parametrize("version", [5, 7, 8, "7 fused"])
+@pytest.mark.parametrize("version", [5, 7, 8, "7 fused", "8 fused"])
 @pytest.mark.parametrize("opts", BACKWARD_CASES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
     # backward_v5, v7 (its two kernels, and with deterministic=False
-    # its fused kernel, dQ by atomics) and v8 (d = 64) against tiled's
+    # its fused kernel, dQ by atomics) and v8 (d = 64; and fused, dQ by
+    # TMA's reductions) against tiled's
     # float64 backward on the same 16-bit inputs; the scale of a fair
     # error is torch's flash backward in the same dtype on the same
     # inputs (causal or not; its kernels take no other mask, nor a
     # causal one with Nq != Nk), as the torch test
-    fused = version == "7 fused"
-    version = backward_version(7 if fused else version, d)
+    fused = isinstance(version, str)
+    version = backward_version(int(str(version).split()[0]), d)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -64,15 +64,15 @@ def forward_rows(sizes=SIZES):
 
 
 BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
-            "flashlab v7 fused bf16", "flashlab v8 bf16", "torch flash bf16",
-            "torch cudnn bf16")
+            "flashlab v7 fused bf16", "flashlab v8 bf16",
+            "flashlab v8 fused bf16", "torch flash bf16", "torch cudnn bf16")
 
 
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     """The bf16 backward alone, from a saved forward: backward_v5, v7
     (gpu.attention_backward; v7 deterministic, and fused with dQ by
-    atomics) and v8 (d = 64) against torch's flash and cuDNN backwards
-    (autograd), per (d, N, causal)."""
+    atomics) and v8 (d = 64; and fused, dQ by TMA's reductions) against
+    torch's flash and cuDNN backwards (autograd), per (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,
                               dtype="bfloat16")
@@ -84,6 +84,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
              tensor._hopper(_saved_backward(7, deterministic=False)),
              ("backward", "flashlab v8 bf16"):
              tensor._hopper(_saved_backward(8)),
+             ("backward", "flashlab v8 fused bf16"):
+             tensor._hopper(_saved_backward(8, deterministic=False)),
              ("backward", "torch flash bf16"):
              tensor._backward("FLASH_ATTENTION"),
              ("backward", "torch cudnn bf16"):
@@ -93,7 +95,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
                          shown=report.SHOWN, csv=None,
                          optional=("torch cudnn bf16", "flashlab v7 bf16",
                                    "flashlab v7 fused bf16",
-                                   "flashlab v8 bf16"))
+                                   "flashlab v8 bf16",
+                                   "flashlab v8 fused bf16"))
     return runner.run(suite)
 
 

@@ -19,7 +19,18 @@ At d = 128 they need more than 240, so v7's kernel stays there.
 
 dQ is backward_v7's dQ kernel (`make_dq`): backward version 8 is this
 kernel and that one. The host encodes the four tensor maps (`derived`)
-as forward_v8 does. See chapter 12.
+as forward_v8 does.
+
+`make_fused` (where the caller allows atomics: deterministic=False) is
+FlashAttention-3's whole backward in one pass: the same kernel also
+forms dQ_i = dS K_j over each warpgroup's 64 keys (dS^T kept in shared
+memory, read MN-major, as backward_v7's fused kernel does), stages
+tau dQ_i in shared memory as TMA's float32 boxes lie, and one more
+producer thread adds each staged tile to a float32 dQ in global memory
+with TMA's reduction (`cp.reduce.async.bulk.tensor`), so the consumers
+never wait for an atomic. Five products a tile pair instead of seven;
+dQ's last bits vary with the order the additions land in. See chapter
+12.
 """
 
 import numpy as np
@@ -32,32 +43,42 @@ from flashlab.gpu.backward_v7 import (
     PACKS,
     STREAMED,
     WG_ROWS,
+    _dq_hooks,
+    _no_ds,
+    _no_start,
     key_descriptors,
     make_scores_t,
     make_store_pairs,
     next_item,
     own,
 )
-from flashlab.gpu.device import F0
-from flashlab.gpu.forward_v7 import ALIGN, CC, make_to_a
-from flashlab.gpu.intrinsics import global_address, shared_address
-from flashlab.gpu.wgmma import mma_rs, wait_for
+from flashlab.gpu.device import F0, inline
+from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
+from flashlab.gpu.intrinsics import global_address, opaque, shared_address
+from flashlab.gpu.wgmma import mma_rs, proxy_fence, wait_for
 
-__all__ = ["CC", "HEAD_DIMS", "make_dkv", "shared_bytes", "threads"]
+__all__ = ["CC", "HEAD_DIMS", "make_dkv", "make_fused", "shared_bytes",
+           "threads"]
 
 HEAD_DIMS = (64,)
 GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
-# (the cap per thread it is built with: 65536 registers over 384 threads,
-# a multiple of 8; what setmaxnreg leaves the producer; and gives each
-# consumer thread. The block holds 168 x 384 = 64512, and the consumers'
-# increase waits until the producer's decrease covers it: 24 x 128 +
-# 240 x 256 = 64512)
-REGISTERS = (168, 24, 240)
+# by kernel: (the cap per thread it is built with: 65536 registers over
+# 384 threads, a multiple of 8; what setmaxnreg leaves the producer; and
+# gives each consumer thread). The block holds 168 x 384 = 64512, and
+# the consumers' increase waits until the producer's decrease covers it:
+# 24 x 128 + 240 x 256 = 64512. The fused kernel's producer keeps 40
+# (its dQ thread spills in 24; the consumers then reload one value a
+# tile, ptxas says)
+REGISTERS = {"dkv": (168, 24, 240), "fused": (168, 40, 224)}
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
-# mbarrier numbers: K_j and V_j landed; stage s full (FULL + s), empty
-KV_FULL, FULL, EMPTY = 0, 1, 3
+# mbarrier numbers: K_j and V_j landed; stage s full (FULL + s), empty;
+# (fused) consumer warpgroup c's dQ buffer u staged (DQ_FULL + 2 c + u)
+# and read by TMA again (DQ_EMPTY + 2 c + u)
+KV_FULL, FULL, EMPTY, DQ_FULL, DQ_EMPTY = 0, 1, 3, 5, 9
 TERM_THREADS = STREAMED  # the producer's threads 64.. : a query each
+DRAIN = 32  # (fused) the producer's thread that issues dQ's reductions
 BOX = 64  # columns of a TMA box: one 128-byte swizzle row of 16 bits
+DQ_BOX = 32  # float32 columns of a dQ box: 128 bytes too
 
 
 def threads(d=64, d_v=64):
@@ -66,23 +87,137 @@ def threads(d=64, d_v=64):
 
 
 def max_registers(d=64, d_v=64):
-    """The registers per thread the kernel is built with."""
-    return REGISTERS[0]
+    """The registers per thread both kernels are built with."""
+    return REGISTERS["dkv"][0]
 
 
-def shared_bytes(d, d_v):
+def shared_bytes(d, d_v, fused=False):
     """Dynamic shared memory per block: the barriers, K_j and V_j, two
-    stages of Q_i and dO_i, and room to align them to 1024 bytes."""
+    stages of Q_i and dO_i, (fused) dS^T of the block's keys and two
+    float32 dQ tiles a consumer warpgroup, and room to align them to 1024
+    bytes."""
+    extra = 2 * own("dkv") * STREAMED + GROUPS * 2 * dq_bytes(d) \
+        if fused else 0
     return BARRIERS + 2 * (own("dkv") * (d + d_v)
-                           + 2 * STREAMED * (d + d_v)) + ALIGN
+                           + 2 * STREAMED * (d + d_v)) + extra + ALIGN
+
+
+def dq_bytes(d):
+    """Bytes of one staged float32 dQ tile: STREAMED rows, d wide."""
+    return 4 * STREAMED * d
 
 
 def make_dkv(D, D_V, kind="bf16"):
     """dK = tau dS^T Q and dV = P^T dO for head dims D, D_V and `kind`,
     warp-specialized."""
+    return _make(D, D_V, kind, with_dq=False)
+
+
+def make_fused(D, D_V, kind="bf16"):
+    """make_dkv's kernel that also adds dQ = tau dS K of every tile pair to
+    a float32 dQ by TMA's reductions: the whole backward in one pass."""
+    return _make(D, D_V, kind, with_dq=True)
+
+
+c_place = cuda.jit(device=True)(fragments.c_pair_offset32)
+
+
+def _stage_hooks(D):
+    """The fused kernel's two ends of dQ's trip to global memory: a
+    consumer warpgroup waits for its product and stages it for TMA
+    (`stage`, and `close` after the last), the producer's thread DRAIN
+    adds each staged tile to dQ (`drain`)."""
+    BQ, DQ_B = STREAMED, dq_bytes(D)
+    q_wait = wait_for(0, 32)  # dQ_i's 64 x 64 accumulator
+
+    @inline
+    def claim(bars, wc, n):
+        # buffer n % 2 of this warpgroup once TMA has read its last tile
+        c, u, phase = wc // 4, n % 2, (n // 2) % 2
+        tma.wait(bars + uint32(8 * (DQ_EMPTY + 2 * c + u)),
+                 uint32(1 - phase))
+        return c, u
+
+    @inline
+    def stage(gq, bars, dq_at, wc, n, lane, tau, where, b, i0):
+        # C fragment (n, x) of the warpgroup's dQ_i, times tau, to its
+        # place in the buffer; the first warpgroup's thread 0 says which
+        # rows, dQ[b, i0:], they are added to (b = -1 after the last)
+        q_wait(gq)
+        c, u = claim(bars, wc, n)
+        buf = dq_at + uint32(DQ_B * (2 * c + u))
+        tw = 32 * (wc % 4) + lane  # the thread in its warpgroup
+        for h in range(2):
+            for x in range(8):
+                tma.st_shared_f2(buf + uint32(c_place(tw, x, h)),
+                                 gq[x, 2 * h] * tau, gq[x, 2 * h + 1] * tau)
+        if wc == 0 and lane == 0:
+            where[u, 0], where[u, 1] = b, i0
+        proxy_fence()  # the stores, to TMA's proxy, before the arrival
+        tma.arrive(bars + uint32(8 * (DQ_FULL + 2 * c + u)))
+
+    @inline
+    def close(bars, wc, n, lane, where):
+        # after the last item: the drain's signal to stop
+        if wc < 4:
+            c, u = claim(bars, wc, n)
+            if wc == 0 and lane == 0:
+                where[u, 0] = -1
+            tma.arrive(bars + uint32(8 * (DQ_FULL + 2 * c + u)))
+
+    @inline
+    def drain(maps_at, bars, dq_at, where):
+        # each item's two staged tiles, added to rows i0.. of dQ[b] (the
+        # rows past Nq left out by TMA), until the first warpgroup says
+        # stop; a buffer is free again once TMA has read it, the
+        # additions land on their own. Told where, not working it out:
+        # this thread has the producer's 24 registers
+        n = 0
+        while True:
+            u, phase = n % 2, (n // 2) % 2
+            tma.wait(bars + uint32(8 * (DQ_FULL + u)), uint32(phase))
+            b, i0 = where[u, 0], where[u, 1]
+            if b < 0:
+                break
+            for c in range(GROUPS):
+                if c > 0:
+                    tma.wait(bars + uint32(8 * (DQ_FULL + 2 * c + u)),
+                             uint32(phase))
+                buf = dq_at + uint32(DQ_B * (2 * c + u))
+                for p in range(D // DQ_BOX):
+                    tma.reduce_add_3d(maps_at + uint64(512),
+                                      int32(p * DQ_BOX), i0, b,
+                                      buf + uint32(p * BQ * 128))
+            tma.bulk_commit()
+            tma.bulk_wait_read()
+            for c in range(GROUPS):
+                tma.arrive(bars + uint32(8 * (DQ_EMPTY + 2 * c + u)))
+            n += 1
+        tma.bulk_wait()  # the additions done before the block leaves
+
+    return stage, close, drain
+
+
+@inline
+def _no_stage(gq, bars, dq_at, wc, n, lane, tau, where, b, i0):
+    pass
+
+
+@inline
+def _no_close(bars, wc, n, lane, where):
+    pass
+
+
+@inline
+def _no_drain(maps_at, bars, dq_at, where):
+    pass
+
+
+def _make(D, D_V, kind, with_dq):
+    """The kernel of a block of keys: dK and dV, and with_dq dQ too."""
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     CONSUMERS = 128 * GROUPS  # consumer threads
-    _, keep, grow = REGISTERS
+    _, keep, grow = REGISTERS["fused" if with_dq else "dkv"]
     release = tma.release_registers[keep]  # the producer's setmaxnreg
     take = tma.take_registers[grow]  # and the consumers'
     KP = BQ // 16  # k-steps of dK and dV (S^T's: make_scores_t)
@@ -95,21 +230,47 @@ def make_dkv(D, D_V, kind="bf16"):
     v_issue = mma_rs(D_V, KP, step_t, kind, wait=False)
     k_issue = mma_rs(D, KP, step_t, kind, wait=False)
     v_wait = wait_for(1, NV * 4, KP * 4)  # dV and P^T (dK may fly)
-    k_wait = wait_for(0, NK * 4, KP * 4)  # dK and dS^T
+    # dK and dS^T (dQ may fly)
+    k_wait = wait_for(int(with_dq), NK * 4, KP * 4)
     to_a = make_to_a(PACKS[kind], KP)
     store_k = make_store_pairs(PACKS[kind], NK)
     store_v = make_store_pairs(PACKS[kind], NV)
+    # dQ = dS K (fused): backward_v7's fused kernel's first two steps at
+    # d = 64 (each warpgroup its own keys), then stage and drain; no-ops
+    # for make_dkv
+    keep_ds, start, _ = _dq_hooks(D, kind) if with_dq else (
+        _no_ds, _no_start, None)
+    stage_dq, close, drain = _stage_hooks(D) if with_dq else (
+        _no_stage, _no_close, _no_drain)
+    lbo_d, sbo_d, _ = fragments.mn_major_128b(BK)
+    DS_B = 2 * BK * BQ  # dS^T of the block's keys (fused)
+    # bytes from the barriers to K_j, dS^T and the dQ tiles
+    K_AT = BARRIERS
+    DS_AT = K_AT + K_B + V_B + 2 * STAGE_B
+    DQ_AT = DS_AT + DS_B
 
-    @cuda.jit
-    def backward_v8_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
-                        mask, maps):
+    @inline
+    def start_dq(gq, bars, wg, t):
+        # dQ_i = dS K_j over this warpgroup's keys (fused): dS^T and K_j
+        # read MN-major, their descriptors made here from the barriers'
+        # address (opaque: kept in the loop, no registers held across it)
+        at = opaque(bars + wg)
+        start(gq, uint64(descriptor_128b(at + uint32(DS_AT), lbo_d, sbo_d)),
+              uint64(descriptor_128b(at + uint32(K_AT), lbo_d, sbo_d)), t)
+
+    @inline
+    def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask,
+            maps):
         # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
         # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
-        # stats: shifts (BH, Nq), then norms (BH, Nq) if present; maps:
-        # the tensor maps of q, k, v, do, 16 words each
+        # stats: shifts (BH, Nq), then norms (BH, Nq) if present; dq
+        # (fused): float32 (BH, Nq, d), tau dS K added to it; maps: the
+        # tensor maps of q, k, v, do (and dq), 16 words each
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
         # row_terms (shift, zn, dl) of each stage's queries
         terms = cuda.shared.array((2, 3, STREAMED), float32)
+        # (fused) the query head and first row of each dQ buffer's tile
+        where = cuda.shared.array((2, 2), int32)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         bk = cuda.blockIdx.y  # the K/V head
@@ -134,15 +295,24 @@ def make_dkv(D, D_V, kind="bf16"):
                                   uint32(1 + TERM_THREADS))
                 tma.mbarrier_init(bars + uint32(8 * (EMPTY + s)),
                                   uint32(CONSUMERS))
+            if with_dq:  # a warpgroup's staging, the drain's reading
+                for c in range(2 * GROUPS):
+                    tma.mbarrier_init(bars + uint32(8 * (DQ_FULL + c)),
+                                      uint32(128))
+                    tma.mbarrier_init(bars + uint32(8 * (DQ_EMPTY + c)),
+                                      uint32(1))
             tma.fence_mbarrier_init()
         cuda.syncthreads()
+        maps_at = global_address(maps, 0)
         if w < 4:  # the producer warpgroup
             release()
+            if with_dq and t == DRAIN:
+                drain(maps_at, bars, bars + uint32(DQ_AT), where)
+                return
             if 0 < t < 128 - TERM_THREADS:
                 return
             g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
-            maps_at = global_address(maps, 0)
             if t == 0 and g < groups:
                 full = bars + uint32(8 * KV_FULL)
                 tma.arrive_expect_tx(full, uint32(K_B + V_B))
@@ -191,6 +361,7 @@ def make_dkv(D, D_V, kind="bf16"):
         da = cuda.local.array((KP, 4), int32)  # dS^T: A of dK's k-steps
         gk = cuda.local.array((NK, 4), float32)  # dK_j
         gv = cuda.local.array((NV, 4), float32)  # dV_j
+        gq = cuda.local.array((8, 4), float32)  # 64 x 64 of dS K (fused)
         wc = w - 4  # this warp among the consumers
         key = j0 + 16 * wc + lane // 4  # this lane's first key (g)
         tq = 2 * (lane % 4)  # this lane's first column in an n-tile
@@ -224,71 +395,115 @@ def make_dkv(D, D_V, kind="bf16"):
             to_a(pa, sf)
             v_issue(gv, pa, ot_desc + at_now)
             to_a(da, pf)
+            keep_ds(da, bars + uint32(DS_AT), t - 128)  # before dK's
+            # product takes da
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)
+            start_dq(gq, bars, wg, t - 128)
             k_wait(gk, da)
             tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
+            stage_dq(gq, bars, bars + uint32(DQ_AT), wc, n, lane, tau,
+                     where, int32(b), int32(i0))
             g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
             n += 1
+        close(bars, wc, n, lane, where)
         store_k(gk, dk, bk, key, nk, lane % 4, tau)
         store_v(gv, dv, bk, key, nk, lane % 4, float32(1))
+
+    if with_dq:
+        @cuda.jit
+        def backward_v8_fused(q, k, v, do, stats, delta, dk, dv, dq, rules,
+                              kv_len, mask, maps):
+            run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask,
+                maps)
+
+        return backward_v8_fused
+
+    @cuda.jit
+    def backward_v8_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
+                        mask, maps):
+        run(q, k, v, do, stats, delta, dk, dv, stats, rules, kv_len, mask,
+            maps)
 
     return backward_v8_dkv
 
 
 # the host's side: tensor maps --------------------------------------------
 
-def tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v):
+def tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v,
+                dq_at=None):
     """The four tensor maps (64 uint64 words) of (bh, nq, d) q and dO
     and (bh_kv, nk, d / d_v) k and v: Q_i and dO_i boxes of STREAMED
-    rows, K_j and V_j boxes of a block's keys, 64 columns each."""
+    rows, K_j and V_j boxes of a block's keys, 64 columns each; and with
+    dq_at, a fifth of the float32 (bh, nq, d) dQ in boxes of STREAMED rows
+    and 32 columns."""
     rows, keys = STREAMED, own("dkv")
-    return np.concatenate([forward_v8.encode(q_at, nq, bh, d, rows),
-                           forward_v8.encode(k_at, nk, bh_kv, d, keys),
-                           forward_v8.encode(v_at, nk, bh_kv, d_v, keys),
-                           forward_v8.encode(do_at, nq, bh, d_v, rows)])
+    maps = [forward_v8.encode(q_at, nq, bh, d, rows),
+            forward_v8.encode(k_at, nk, bh_kv, d, keys),
+            forward_v8.encode(v_at, nk, bh_kv, d_v, keys),
+            forward_v8.encode(do_at, nq, bh, d_v, rows)]
+    if dq_at is not None:
+        maps.append(forward_v8.encode(dq_at, nq, bh, d, rows, 4))
+    return np.concatenate(maps)
 
 
-_SLOTS = []  # the one forward_v8._Slots of 64 words, made at first use
-MAPS_ARG = 11  # the maps' place among the kernel's arguments
+_SLOTS = {}  # a forward_v8._Slots per words of a set, made at first use
+MAPS_ARG = 11  # the maps' place among the kernel's arguments (dK/dV)
+DQ_ARG = 8  # dQ's place in the fused kernel's, before its maps
 
 
-def _maps_for(packed, stream):
+def _maps_for(packed, stream, fused):
     """The device address of the tensor maps of the q, k, v, dO packed
-    in `packed` (arguments 0 to 3)."""
+    in `packed` (arguments 0 to 3), and of dQ (DQ_ARG) if `fused`."""
     from flashlab.gpu.launch import DATA_FIELD
 
     offset = packed.kernel.layout.offset
     (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v), (
         do_at, _, _, _) = (forward_v8._FIELDS.unpack_from(
             packed.buffer, offset(arg, DATA_FIELD)) for arg in range(4))
-    if not _SLOTS:
-        _SLOTS.append(forward_v8._Slots(64))
-    return _SLOTS[0].address(
-        (q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d, d_v),
+    dq_at = forward_v8._FIELDS.unpack_from(
+        packed.buffer, offset(DQ_ARG, DATA_FIELD))[0] if fused else None
+    words = 80 if fused else 64
+    if words not in _SLOTS:
+        _SLOTS[words] = forward_v8._Slots(words)
+    return _SLOTS[words].address(
+        (q_at, k_at, v_at, do_at, dq_at, bh, nq, bh_kv, nk, d, d_v),
         lambda: tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d,
-                            d_v), stream)
+                            d_v, dq_at), stream)
 
 
-def derived(d, d_v):
+def _derived(fused):
     """launch.Derived of the kernel's last argument, the tensor maps."""
     from flashlab.gpu.launch import Derived
 
+    words, at = (80, MAPS_ARG + 1) if fused else (64, MAPS_ARG)
+
     def placeholders():
-        return (cuda.device_array(64, np.uint64),)
+        return (cuda.device_array(words, np.uint64),)
 
     def update(packed, stream):
-        packed.point(MAPS_ARG, _maps_for(packed, stream))
+        packed.point(at, _maps_for(packed, stream, fused))
 
     return Derived(placeholders, update)
 
 
-def compile_ptx(d, d_v, kind="bf16"):
-    """PTX of the kernel for sm_90a; needs no GPU."""
+def derived(d, d_v):
+    """launch.Derived of the dK/dV kernel's maps."""
+    return _derived(False)
+
+
+def derived_fused(d, d_v):
+    """launch.Derived of the fused kernel's maps (dQ's too)."""
+    return _derived(True)
+
+
+def compile_ptx(d, d_v, kind="bf16", part="dkv"):
+    """PTX of kernel `part` ("dkv" or "fused") for sm_90a; needs no
+    GPU."""
     from flashlab.gpu import build, registry
 
-    spec = registry.get(f"backward_v8_dkv_{kind}")
+    spec = registry.get(f"backward_v8_{part}_{kind}")
     with build.compiling_without_gpu(CC[:2]):
         ptx, _ = cuda.compile_ptx(spec.make(d, d_v).py_func,
                                   registry.argument_types(spec.args), cc=CC)

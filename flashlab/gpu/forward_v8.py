@@ -352,16 +352,18 @@ def compile_ptx(d, d_v, kind="bf16"):
 
 def encode(address, rows, heads, cols, box_rows, size=2):
     """The 128-byte TMA tensor map (16 uint64 words) of a (heads, rows,
-    cols) array of `size`-byte values at `address`: boxes of 128 bytes of
-    columns x box_rows rows of one head, 128-byte swizzled, rows and
-    columns past the end read as zeros."""
+    cols) array of `size`-byte values at `address` (16-bit, e4m3, or
+    float32 for size 4): boxes of 128 bytes of columns x box_rows rows of
+    one head, 128-byte swizzled, rows and columns past the end read as
+    zeros (and left out of a store or a reduction)."""
     from cuda.bindings import driver
 
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     kinds = driver.CUtensorMapDataType
     err, tmap = driver.cuTensorMapEncodeTiled(
         {2: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT16,
-         1: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8}[size],
+         1: kinds.CU_TENSOR_MAP_DATA_TYPE_UINT8,
+         4: kinds.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[size],
         u32(3), address, [u64(cols), u64(rows), u64(heads)],
         [u64(cols * size), u64(rows * cols * size)],
         [u32(SWIZZLE_BYTES // size), u32(box_rows), u32(1)],

@@ -360,8 +360,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
     cc = (9, 0) if simulator else launch.device_cc()  # refused later
     kind = "bf16" if dtype == "bfloat16" else "f16"
     if version is None:
-        # v8 where it runs (at d = 64 it is faster than v7's fused
-        # kernel, and deterministic), else v7 with the fused kernel where
+        # v8 where it runs, else v7; each with its fused kernel where
         # atomics are allowed
         version = registry.backward_version(dtype, d, d_v, cc)
     elif isinstance(version, bool) or \
@@ -381,8 +380,8 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
                 f"version: backward v{version} is built for head dims "
                 f"{spec.head_dims}, got d={d}, d_v={d_v} (pass None for "
                 f"the best that takes them)")
-    if version == 7 and not deterministic:
-        return f"backward_v7_fused_{kind}", None
+    if version in (7, 8) and not deterministic:
+        return f"backward_v{version}_fused_{kind}", None
     return registry.backward_names(version, kind)
 
 

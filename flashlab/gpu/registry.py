@@ -167,6 +167,15 @@ KERNELS = (
              max_cc=(9, 0), shared=backward_v8.shared_bytes,
              derived=backward_v8.derived, grads16=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # and with dQ in the same pass, added by TMA's reductions
+    *(Kernel(f"backward_v8_fused_{kind}",
+             functools.partial(backward_v8.make_fused, kind=kind),
+             "backward16_fused_tma", (dtype,), backward_v8.HEAD_DIMS,
+             (9, 0), backward_v8.threads(),
+             max_registers=backward_v8.max_registers, max_cc=(9, 0),
+             shared=functools.partial(backward_v8.shared_bytes, fused=True),
+             derived=backward_v8.derived_fused, grads16=True)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
            _F32, **_HELPER),
@@ -316,6 +325,10 @@ def argument_types(args):
         "backward16_fused_pairs": (h3, h3, h3, h3, a2, a2,
                                    int32[:, :, ::1], int32[:, :, ::1], a3,
                                    *common),
+        # and the tensor maps of q, k, v, dO, dQ (backward_v8.make_fused)
+        "backward16_fused_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
+                                 int32[:, :, ::1], a3, *common,
+                                 uint64[::1]),
         "combine": (a3, a2, a3, a2, float32),
         "row_dot": (a3, a3, a2),
         "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),

@@ -23,14 +23,16 @@ from numba.cuda.extending import intrinsic
 
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
-_IR = {types.uint32: _I32, types.int32: _I32, types.uint64: _I64}
+_IR = {types.uint32: _I32, types.int32: _I32, types.uint64: _I64,
+       types.float32: ir.FloatType()}
+_CODES = {types.uint64: "l", types.float32: "f"}  # else "r"
 
 
 def _statement(ptx, argtypes, constraints=None):
     """An intrinsic that emits `ptx` (operands $0.. of argtypes, uint32
-    or int32 as "r", uint64 as "l") with side effects and a memory
-    clobber, so the compiler keeps it in place."""
-    codes = ["l" if t == types.uint64 else "r" for t in argtypes]
+    or int32 as "r", uint64 as "l", float32 as "f") with side effects and
+    a memory clobber, so the compiler keeps it in place."""
+    codes = [_CODES.get(t, "r") for t in argtypes]
     constraints = ",".join(codes + ["~{memory}"])
 
     def codegen(context, builder, signature, args):
@@ -48,6 +50,12 @@ def _statement(ptx, argtypes, constraints=None):
             return sig, codegen
     elif len(argtypes) == 2:
         def typer(typingctx, a, b):
+            return sig, codegen
+    elif len(argtypes) == 3:
+        def typer(typingctx, a, b, c):
+            return sig, codegen
+    elif len(argtypes) == 5:
+        def typer(typingctx, a, b, c, d, e):
             return sig, codegen
     else:
         def typer(typingctx, a, b, c, d, e, f):
@@ -83,9 +91,26 @@ load_3d = _statement(
     "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx"
     "::bytes [$0], [$1, {$2, $3, $4}], [$5];",
     (U32, U64, I32, I32, I32, U32))
+# reduce_add_3d(map, x, y, z, src): add the float32 box at shared
+# address src (laid out as load_3d lays a box) to the box at (x, y, z) of
+# the tensor map at `map`, element by element in L2; the parts past the
+# tensor's end are left out. It runs on its own: bulk_commit closes a
+# group of them, bulk_wait_read waits until every group has read its
+# shared memory (which may then be written again), bulk_wait until every
+# group's additions are done
+reduce_add_3d = _statement(
+    "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+    " [$0, {$1, $2, $3}], [$4];", (U64, I32, I32, I32, U32))
+bulk_commit = _statement("cp.async.bulk.commit_group;", ())
+bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;", ())
+bulk_wait = _statement("cp.async.bulk.wait_group 0;", ())
+# st_shared_f2(dst, x, y): two float32 at shared address dst (8-byte
+# aligned), kept in program order (then a proxy fence hands them to TMA)
+st_shared_f2 = _statement("st.shared.v2.f32 [$0], {$1, $2};",
+                          (U32, types.float32, types.float32))
 # registers per thread of the executing warpgroup: fewer (dec) or more
 # (inc), a multiple of 8 in 24..256; the kernel's own cap must be fixed
 release_registers = {n: _statement(
     f"setmaxnreg.dec.sync.aligned.u32 {n};", ()) for n in (24, 32, 40)}
 take_registers = {n: _statement(
-    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (160, 232, 240)}
+    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (160, 224, 232, 240)}

@@ -51,6 +51,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "backward16_dkv_pairs": ("dk", "dv"),
            "backward16_dkv_tma": ("dk", "dv"),
            "backward16_fused_pairs": ("dk", "dv", "dq"),
+           "backward16_fused_tma": ("dk", "dv", "dq"),
            "combine": ("o", "lse"), "row_dot": ("delta",),
            "row_dot16": ("delta",), "find_bad": ("bad",),
            "find_parts": ("parts",),
@@ -202,6 +203,7 @@ LAYOUTS = {
     "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
     "backward_v7.make_fused": functools.partial(_backward_wgmma, keys=True),
     "backward_v8.make_dkv": functools.partial(_backward_ws, keys=True),
+    "backward_v8.make_fused": functools.partial(_backward_ws, keys=True),
 }
 
 
