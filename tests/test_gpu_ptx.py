@@ -281,6 +281,17 @@ for kind in ("bf16", "f16"):
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
         f64=ptx.float64_ops(text),
         **ptx.assemble(text, backward_v8.CC, spec.registers(64, 64)))
+    spec = registry.get(f"backward_v8_fused_{kind}")
+    text = backward_v8.compile_ptx(64, 64, kind, "fused")
+    out[kind + " fused"] = dict(
+        wgmma=text.count("wgmma.mma_async"),
+        tma=text.count("cp.async.bulk.tensor"),
+        reduce=text.count("cp.reduce.async.bulk.tensor"),
+        atomics=text.count("red.global") + text.count("atom.global"),
+        copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
+        setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
+        f64=ptx.float64_ops(text),
+        **ptx.assemble(text, backward_v8.CC, spec.registers(64, 64)))
 print(json.dumps(out))
 """
 
@@ -290,7 +301,8 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
     # same wgmma statements), its copies TMA boxes (K_j, V_j, Q_i, dO_i)
     # where v7 copies with cp.async, and its one block barrier the one
     # after the mbarriers' set-up (v7's is in its loop); setmaxnreg both
-    # ways; assembled by ptxas with its register cap, nothing spilled
+    # ways; assembled by ptxas with its register cap, nothing spilled.
+    # Its fused kernel too
     import json
     import os
     import subprocess
@@ -303,11 +315,20 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     for kind, r in json.loads(done.stdout).items():
+        assert not r["stack"] and not r["spill"], (kind, r)
+        assert not r["serialized"], (kind, r)
+        assert r["local"] == 0 and r["f64"] == 0, (kind, r)
+        assert r["setmaxnreg"] == 2, (kind, r)
+        if kind.endswith("fused"):
+            # and dQ = dS K (4 k-steps over a warpgroup's keys), added by
+            # TMA: the two boxes of each warpgroup's tile, no atomics; a
+            # named barrier per warpgroup before its dQ product
+            assert r["wgmma"] == 16 + 4, (kind, r)
+            assert r["reduce"] == 2 * 2 and r["atomics"] == 0, (kind, r)
+            assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
+            assert r["bars"] == 2, (kind, r)
+            continue
         assert r["wgmma"] == r["v7_wgmma"] == 16, (kind, r)
         assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
         assert r["v7_copies"] > 0 and r["v7_bars"] >= 1, (kind, r)
         assert r["bars"] == 1, (kind, r)
-        assert r["setmaxnreg"] == 2, (kind, r)
-        assert r["local"] == 0 and r["f64"] == 0, (kind, r)
-        assert not r["stack"] and not r["spill"], (kind, r)
-        assert not r["serialized"], (kind, r)

@@ -457,3 +457,36 @@ def test_fused_backward_dq_reads_ds_and_k_through_its_descriptors(d):
             acc = fr.wgmma(a, b, acc)
         dq[:, cols] += fr.scatter(acc, fr.wgmma_c_places(64), (64, 64))
     np.testing.assert_array_equal(dq, ds_t.T @ k)
+
+
+def test_backward_v8_stages_dq_as_tma_boxes_lie():
+    # the fused backward v8 stages a warpgroup's float32 dQ_i (64 x 64 C
+    # fragments) where fragments.c_pair_offset32 puts each pair: two
+    # boxes of 32 columns, each as TMA's 128-byte swizzle lays a box it
+    # reads for its reduction, every place written once; and a warp's
+    # stores of one (n, h) land on every bank twice (two wavefronts, no
+    # conflict beyond them)
+    rng = np.random.default_rng(5)
+    dq = rng.standard_normal((64, 64)).astype(np.float32)
+    places = fr.wgmma_c_places(64)  # (128, 32, 2): row, column
+    staged = np.full(64 * 64, np.nan, np.float32)
+    for t in range(WG):
+        for n in range(8):
+            for h in range(2):
+                at = fr.c_pair_offset32(t, n, h)
+                assert at % 8 == 0
+                for x in range(2):
+                    row, col = places[t, 4 * n + 2 * h + x]
+                    assert np.isnan(staged[at // 4 + x])
+                    staged[at // 4 + x] = dq[row, col]
+    boxes = [fr.tma_box(np.ascontiguousarray(dq[:, 32 * p:32 * p + 32])
+                        .view(np.uint8)).view(np.float32) for p in range(2)]
+    np.testing.assert_array_equal(staged, np.concatenate(boxes))
+    for warp in range(4):
+        for n in range(8):
+            for h in range(2):
+                at = np.array([fr.c_pair_offset32(32 * warp + lane, n, h)
+                               for lane in range(32)])
+                words = np.concatenate([at, at + 4])
+                assert np.bincount(fr.banks(words), minlength=32).tolist() \
+                    == [2] * 32

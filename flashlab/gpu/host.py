@@ -255,11 +255,11 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     dtype, rounded once from float32) or 5 (`backward_v5`, mma.sync;
     float32 gradients), None for the newest the GPU runs at these head
     dims. Deterministic by default: no atomics, the same bits every run.
-    deterministic=False lets v7 run its fused kernel, which adds each
-    tile pair's dQ to a float32 dQ by atomics (five products a tile pair
-    instead of seven; the order of the additions, so dQ's last bits,
-    vary from run to run); elsewhere, and where v8 runs, it changes
-    nothing.
+    deterministic=False lets v8 and v7 run their fused kernels, which add
+    each tile pair's dQ to a float32 dQ by atomics (v8's by TMA's
+    reductions; five products a tile pair instead of seven; the order of
+    the additions, so dQ's last bits, vary from run to run); elsewhere it
+    changes nothing.
     """
     deterministic = check_flag("deterministic", deterministic)
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
@@ -353,7 +353,7 @@ def _statistics(call, name, q_k, k_k, lse, rows):
 def _backward16_names(version, dtype, d, d_v, deterministic=True):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8;
     None: registry.backward_version) for this GPU; (fused, None) for v7
-    where atomics are allowed (not deterministic)."""
+    and v8 where atomics are allowed (not deterministic)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -437,7 +437,7 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
 
 
 def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
-    """_backward16 by v7's fused kernel: dK, dV as 16-bit pairs per K/V
+    """_backward16 by a fused kernel: dK, dV as 16-bit pairs per K/V
     head, tau dS K added to a zeroed float32 dQ, then rounded once to q's
     dtype."""
     bh, nq, nk = call.bh, call.nq, call.nk
@@ -842,7 +842,7 @@ class _BackwardPlan:
     _ForwardPlan is: a call allocates D and the gradients (16-bit, or
     float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
     (warp.row_dot16), the dK/dV and the dQ kernels from their packed
-    buffers; or, with v7's fused kernel (names[1] None), that kernel on a
+    buffers; or, with a fused kernel (names[1] None), that kernel on a
     zeroed float32 dQ, which it adds tau dS K to, then dQ in q's dtype."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):

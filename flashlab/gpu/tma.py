@@ -113,4 +113,4 @@ st_shared_f2 = _statement("st.shared.v2.f32 [$0], {$1, $2};",
 release_registers = {n: _statement(
     f"setmaxnreg.dec.sync.aligned.u32 {n};", ()) for n in (24, 32, 40)}
 take_registers = {n: _statement(
-    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (160, 224, 232, 240)}
+    f"setmaxnreg.inc.sync.aligned.u32 {n};", ()) for n in (160, 232, 240)}
