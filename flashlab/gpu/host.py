@@ -922,15 +922,15 @@ class _BackwardPlan:
         float32 zeros for the fused kernel, which adds to it."""
         import torch
 
-        grads = [torch.empty(s, dtype=self.grad_dtype, device=q.device)
-                 for s in self.shapes]
+        # the fused kernel's dQ is an accumulator: zeros, never poisoned
+        grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
+                             device=q.device)] if self.fused else []
+        empty = [torch.empty(s, dtype=self.grad_dtype, device=q.device)
+                 for s in self.shapes[len(grads):]]
         if _poisoned():
-            for g in grads:
+            for g in empty:
                 g.fill_(float("nan"))
-        if self.fused:  # an accumulator: zeros, never poisoned
-            grads[0] = torch.zeros(self.shapes[0], dtype=torch.float32,
-                                   device=q.device)
-        return grads
+        return grads + empty
 
     def __call__(self, q, k, v, o, lse, do, seed):
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
