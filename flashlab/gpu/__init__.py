@@ -15,7 +15,8 @@ package, in the order chapters 9 and 10 read it:
 - `backward`: dK/dV and dQ kernels, deterministic, no atomics;
   `backward_v5` on mma.sync and `backward_v7` on Hopper's wgmma, the
   same two kernels for bf16 and float16, and `backward_v8`, v7's dK/dV
-  kernel warp-specialized (d = 64);
+  kernel warp-specialized (d = 64), and in one pass with dQ added by
+  TMA's reductions where atomics are allowed;
 - `wgmma`, `tma`, `forward_v7`, `forward_v8`: Hopper's warpgroup MMA,
   tensor-memory copies and mbarriers, and the forwards built on them
   (chapter 12);
