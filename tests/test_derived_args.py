@@ -144,6 +144,39 @@ def test_backward_v8_is_registered_with_its_maps_derived():
     assert registry.backward_version("float16", 64, 64, (8, 0)) == 5
     assert registry.backward_names(8, "f16") == ("backward_v8_dkv_f16",
                                                  "backward_v7_dq_f16")
+    # its fused kernel: the dK/dV kernel's arguments with the float32 dQ
+    # (v7's fused kernel's) and a fifth map, dQ's
+    for kind in ("bf16", "f16"):
+        spec = registry.get(f"backward_v8_fused_{kind}")
+        v7 = registry.argument_types(
+            registry.get(f"backward_v7_fused_{kind}").args)
+        fused = registry.argument_types(spec.args)
+        assert fused[:-1] == v7 and str(fused[-1]) == "array(uint64, 1d, C)"
+        assert spec.derived is not None and spec.grads16
+        assert spec.takes(64, 64) and not spec.takes(128, 128)
+        assert spec.threads == backward_v8.threads()
+        assert spec.registers(64, 64) == backward_v8.max_registers()
+
+
+@pytest.mark.parametrize("d, deterministic, names", [
+    (64, True, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16")),
+    (64, False, ("backward_v8_fused_bf16", None)),
+    (128, True, ("backward_v7_dkv_bf16", "backward_v7_dq_bf16")),
+    (128, False, ("backward_v7_fused_bf16", None))])
+def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
+        d, deterministic, names):
+    # on Hopper (what the simulator stands for here): version None runs
+    # v8 at d = 64 and v7 at 128, each fused only where atomics are
+    # allowed; asking for v8 or v7 by number does the same
+    from numba import config
+
+    from flashlab.gpu import host
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("the simulator stands for a Hopper GPU here")
+    for version in (None, 8 if d == 64 else 7):
+        assert host._backward16_names(version, "bfloat16", d, d,
+                                      deterministic) == names
 
 
 @pytest.mark.parametrize("fused", [False, True])
