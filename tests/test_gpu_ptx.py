@@ -320,11 +320,12 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
         assert r["local"] == 0 and r["f64"] == 0, (kind, r)
         assert r["setmaxnreg"] == 2, (kind, r)
         if kind.endswith("fused"):
-            # and dQ = dS K (4 k-steps over a warpgroup's keys), added by
-            # TMA: the two boxes of each warpgroup's tile, no atomics; a
-            # named barrier per warpgroup before its dQ product
-            assert r["wgmma"] == 16 + 4, (kind, r)
-            assert r["reduce"] == 2 * 2 and r["atomics"] == 0, (kind, r)
+            # and dQ = dS K (8 k-steps over the block's keys, a
+            # warpgroup's 32 columns), added by TMA: the two boxes of the
+            # block's tile, no atomics; a named barrier of both consumer
+            # warpgroups before the product
+            assert r["wgmma"] == 16 + 8, (kind, r)
+            assert r["reduce"] == 2 and r["atomics"] == 0, (kind, r)
             assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
             assert r["bars"] == 2, (kind, r)
             continue

@@ -490,3 +490,23 @@ def test_backward_v8_stages_dq_as_tma_boxes_lie():
                 words = np.concatenate([at, at + 4])
                 assert np.bincount(fr.banks(words), minlength=32).tolist() \
                     == [2] * 32
+
+
+def test_backward_v8_fused_columns_read_through_half_panel_descriptors():
+    # the fused kernel's dQ product: warpgroup c multiplies dS (all 128
+    # keys, from dS^T MN-major) by K_j's columns 32 c.. (MN-major, N =
+    # 32: a descriptor 64 c bytes into the swizzled rows); on the model
+    # each k-step reads its 16 keys of those 32 columns
+    from flashlab.gpu import backward_v7 as b7
+
+    rng = np.random.default_rng(32)
+    keys = b7.own("dkv")
+    k = rng.integers(-2 ** 10, 2 ** 10, (keys, 64)).astype(float)
+    k_tile = _fill_panels(k, b7.threads("dkv")).astype(float)
+    lbo, sbo, step = fr.mn_major_128b(keys)
+    for c in range(2):
+        for s in range(keys // 16):
+            b = fr.wgmma_operand(k_tile, fr.descriptor_128b(
+                64 * c + s * step, lbo, sbo), 32, True)
+            np.testing.assert_array_equal(
+                b, k[16 * s:16 * s + 16, 32 * c:32 * c + 32])

@@ -107,8 +107,9 @@ def test_dynamic_shared_memory_holds_the_tiles_make_lays_out(spec):
         if {"dk", "dq"} <= set(tr.returns):  # fused: and a dS^T tile
             need += traits.B16 * tiles["BK"] * tiles["BQ"]
         if "DQ_AT" in tiles and "dq" in tr.returns:  # backward_v8 fused:
-            # and two float32 dQ tiles a consumer warpgroup
-            need += 2 * 2 * traits.F32 * tiles["BQ"] * d
+            # a second dS^T, and two float32 dQ tiles
+            need += traits.B16 * tiles["BK"] * tiles["BQ"] \
+                + 2 * traits.F32 * tiles["BQ"] * d
         # and at most 2 KiB more: room to align the tiles to 1024 bytes,
         # and v8's mbarriers
         assert need <= tr.dynamic_shared <= need + 2048, (d, d_v)

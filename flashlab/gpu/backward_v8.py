@@ -45,7 +45,6 @@ from flashlab.gpu.backward_v7 import (
     WG_ROWS,
     _dq_hooks,
     _no_ds,
-    _no_start,
     key_descriptors,
     make_scores_t,
     make_store_pairs,
@@ -54,8 +53,8 @@ from flashlab.gpu.backward_v7 import (
 )
 from flashlab.gpu.device import F0, inline
 from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
-from flashlab.gpu.intrinsics import global_address, opaque, shared_address
-from flashlab.gpu.wgmma import mma_rs, proxy_fence, wait_for
+from flashlab.gpu.intrinsics import bar_sync, global_address, shared_address
+from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
 __all__ = ["CC", "HEAD_DIMS", "make_dkv", "make_fused", "shared_bytes",
            "threads"]
@@ -67,14 +66,13 @@ GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # gives each consumer thread). The block holds 168 x 384 = 64512, and
 # the consumers' increase waits until the producer's decrease covers it:
 # 24 x 128 + 240 x 256 = 64512. The fused kernel's producer keeps 40
-# (its dQ thread spills in 24 or 32, ptxas says), its consumers get 232:
-# 40 x 128 + 232 x 256 = 64512, and nothing spills
+# (in 24 or 32 its dQ thread spills, ptxas says; in 40 nothing does)
 REGISTERS = {"dkv": (168, 24, 240), "fused": (168, 40, 232)}
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
 # mbarrier numbers: K_j and V_j landed; stage s full (FULL + s), empty;
-# (fused) consumer warpgroup c's dQ buffer u staged (DQ_FULL + 2 c + u)
-# and read by TMA again (DQ_EMPTY + 2 c + u)
-KV_FULL, FULL, EMPTY, DQ_FULL, DQ_EMPTY = 0, 1, 3, 5, 9
+# (fused) dQ tile buffer u staged (DQ_FULL + u) and read by TMA (DQ_EMPTY
+# + u)
+KV_FULL, FULL, EMPTY, DQ_FULL, DQ_EMPTY = 0, 1, 3, 5, 7
 TERM_THREADS = STREAMED  # the producer's threads 64.. : a query each
 DRAIN = 32  # (fused) the producer's thread that issues dQ's reductions
 BOX = 64  # columns of a TMA box: one 128-byte swizzle row of 16 bits
@@ -93,11 +91,9 @@ def max_registers(d=64, d_v=64):
 
 def shared_bytes(d, d_v, fused=False):
     """Dynamic shared memory per block: the barriers, K_j and V_j, two
-    stages of Q_i and dO_i, (fused) dS^T of the block's keys and two
-    float32 dQ tiles a consumer warpgroup, and room to align them to 1024
-    bytes."""
-    extra = 2 * own("dkv") * STREAMED + GROUPS * 2 * dq_bytes(d) \
-        if fused else 0
+    stages of Q_i and dO_i, (fused) two each of dS^T of the block's keys
+    and of a float32 dQ tile, and room to align them to 1024 bytes."""
+    extra = 2 * (2 * own("dkv") * STREAMED + dq_bytes(d)) if fused else 0
     return BARRIERS + 2 * (own("dkv") * (d + d_v)
                            + 2 * STREAMED * (d + d_v)) + extra + ALIGN
 
@@ -122,56 +118,68 @@ def make_fused(D, D_V, kind="bf16"):
 c_place = cuda.jit(device=True)(fragments.c_pair_offset32)
 
 
-def _stage_hooks(D):
-    """The fused kernel's two ends of dQ's trip to global memory: a
-    consumer warpgroup waits for its product and stages it for TMA
-    (`stage`, and `close` after the last), the producer's thread DRAIN
-    adds each staged tile to dQ (`drain`)."""
-    BQ, DQ_B = STREAMED, dq_bytes(D)
-    q_wait = wait_for(0, 32)  # dQ_i's 64 x 64 accumulator
+def _stage_hooks(D, kind):
+    """The fused kernel's steps of dQ_i = dS K_j, after dS^T is in
+    shared memory: `start` (warpgroup c takes dQ_i's columns 32 c.. over
+    all of the block's keys: one tile a block, not one a warpgroup, for
+    TMA to add), `stage` (waits for the product and puts it where TMA
+    reads it, `close` after the last), and `drain`, the producer's thread
+    DRAIN that adds each staged tile to dQ."""
+    BK, BQ, DQ_B = own("dkv"), STREAMED, dq_bytes(D)
+    lbo, sbo, step = fragments.mn_major_128b(BK)
+    # dS (queries x keys) and K_j's columns: dS^T and K_j read MN-major
+    q_issue = mma_ss(DQ_BOX, BK // 16, step, step, kind, trans_b=1,
+                     wait=False, trans_a=1)
+    q_wait = wait_for(0, DQ_BOX // 2)  # the 64 x 32 accumulator
 
     @inline
-    def claim(bars, wc, n):
-        # buffer n % 2 of this warpgroup once TMA has read its last tile
-        c, u, phase = wc // 4, n % 2, (n // 2) % 2
-        tma.wait(bars + uint32(8 * (DQ_EMPTY + 2 * c + u)),
-                 uint32(1 - phase))
-        return c, u
+    def start(gq, ds_at, k_at, wc):
+        proxy_fence()  # this thread's dS^T stores to wgmma's proxy, then
+        bar_sync(1, 128 * GROUPS)  # every consumer's
+        cols = uint32(2 * DQ_BOX * (wc // 4))  # bytes into K_j's rows
+        q_issue(gq, uint64(descriptor_128b(ds_at, lbo, sbo)),
+                uint64(descriptor_128b(k_at + cols, lbo, sbo)))
+
+    @inline
+    def claim(bars, n):
+        # tile buffer n % 2, once TMA has read the tile before in it
+        u, phase = n % 2, (n // 2) % 2
+        tma.wait(bars + uint32(8 * (DQ_EMPTY + u)), uint32(1 - phase))
+        return u
 
     @inline
     def stage(gq, bars, dq_at, wc, n, lane, tau, where, b, i0):
-        # C fragment (n, x) of the warpgroup's dQ_i, times tau, to its
-        # place in the buffer; the first warpgroup's thread 0 says which
-        # rows, dQ[b, i0:], they are added to (b = -1 after the last)
+        # C fragment (x, y) of the warpgroup's columns of dQ_i, times tau,
+        # to its place in the tile (box wc // 4 of it); the first
+        # consumer thread says which rows, dQ[b, i0:], it is added to
         q_wait(gq)
-        c, u = claim(bars, wc, n)
-        buf = dq_at + uint32(DQ_B * (2 * c + u))
+        u = claim(bars, n)
+        box = dq_at + uint32(DQ_B * u + BQ * 128 * (wc // 4))
         tw = 32 * (wc % 4) + lane  # the thread in its warpgroup
         for h in range(2):
-            for x in range(8):
-                tma.st_shared_f2(buf + uint32(c_place(tw, x, h)),
+            for x in range(DQ_BOX // 8):
+                tma.st_shared_f2(box + uint32(c_place(tw, x, h)),
                                  gq[x, 2 * h] * tau, gq[x, 2 * h + 1] * tau)
         if wc == 0 and lane == 0:
             where[u, 0], where[u, 1] = b, i0
         proxy_fence()  # the stores, to TMA's proxy, before the arrival
-        tma.arrive(bars + uint32(8 * (DQ_FULL + 2 * c + u)))
+        tma.arrive(bars + uint32(8 * (DQ_FULL + u)))
 
     @inline
     def close(bars, wc, n, lane, where):
-        # after the last item: the drain's signal to stop
-        if wc < 4:
-            c, u = claim(bars, wc, n)
-            if wc == 0 and lane == 0:
-                where[u, 0] = -1
-            tma.arrive(bars + uint32(8 * (DQ_FULL + 2 * c + u)))
+        # after the last item: the drain's signal to stop (b = -1)
+        u = claim(bars, n)
+        if wc == 0 and lane == 0:
+            where[u, 0] = -1
+        tma.arrive(bars + uint32(8 * (DQ_FULL + u)))
 
     @inline
     def drain(maps_at, bars, dq_at, where):
-        # each item's two staged tiles, added to rows i0.. of dQ[b] (the
-        # rows past Nq left out by TMA), until the first warpgroup says
-        # stop; a buffer is free again once TMA has read it, the
-        # additions land on their own. Told where, not working it out:
-        # this thread has the producer's 24 registers
+        # each item's staged tile, added to rows i0.. of dQ[b] (the rows
+        # past Nq left out by TMA), until told to stop; a buffer is free
+        # again once TMA has read it, the additions land on their own.
+        # Told where, not working it out: this thread has the producer's
+        # few registers
         n = 0
         while True:
             u, phase = n % 2, (n // 2) % 2
@@ -179,23 +187,22 @@ def _stage_hooks(D):
             b, i0 = where[u, 0], where[u, 1]
             if b < 0:
                 break
-            for c in range(GROUPS):
-                if c > 0:
-                    tma.wait(bars + uint32(8 * (DQ_FULL + 2 * c + u)),
-                             uint32(phase))
-                buf = dq_at + uint32(DQ_B * (2 * c + u))
-                for p in range(D // DQ_BOX):
-                    tma.reduce_add_3d(maps_at + uint64(512),
-                                      int32(p * DQ_BOX), i0, b,
-                                      buf + uint32(p * BQ * 128))
+            for p in range(D // DQ_BOX):
+                tma.reduce_add_3d(maps_at + uint64(512), int32(p * DQ_BOX),
+                                  i0, b, dq_at + uint32(DQ_B * u
+                                                        + p * BQ * 128))
             tma.bulk_commit()
             tma.bulk_wait_read()
-            for c in range(GROUPS):
-                tma.arrive(bars + uint32(8 * (DQ_EMPTY + 2 * c + u)))
+            tma.arrive(bars + uint32(8 * (DQ_EMPTY + u)))
             n += 1
         tma.bulk_wait()  # the additions done before the block leaves
 
-    return stage, close, drain
+    return start, stage, close, drain
+
+
+@inline
+def _no_start(gq, ds_at, k_at, wc):
+    pass
 
 
 @inline
@@ -238,25 +245,15 @@ def _make(D, D_V, kind, with_dq):
     # dQ = dS K (fused): backward_v7's fused kernel's first two steps at
     # d = 64 (each warpgroup its own keys), then stage and drain; no-ops
     # for make_dkv
-    keep_ds, start, _ = _dq_hooks(D, kind) if with_dq else (
-        _no_ds, _no_start, None)
-    stage_dq, close, drain = _stage_hooks(D) if with_dq else (
-        _no_stage, _no_close, _no_drain)
-    lbo_d, sbo_d, _ = fragments.mn_major_128b(BK)
+    keep_ds = _dq_hooks(D, kind)[0] if with_dq else _no_ds
+    start_dq, stage_dq, close, drain = _stage_hooks(D, kind) if with_dq \
+        else (_no_start, _no_stage, _no_close, _no_drain)
     DS_B = 2 * BK * BQ  # dS^T of the block's keys (fused)
+    DQ_TILES = DQ_BOX // 8  # n-tiles of a warpgroup's part of dQ_i (fused)
     # bytes from the barriers to K_j, dS^T and the dQ tiles
     K_AT = BARRIERS
     DS_AT = K_AT + K_B + V_B + 2 * STAGE_B
-    DQ_AT = DS_AT + DS_B
-
-    @inline
-    def start_dq(gq, bars, wg, t):
-        # dQ_i = dS K_j over this warpgroup's keys (fused): dS^T and K_j
-        # read MN-major, their descriptors made here from the barriers'
-        # address (opaque: kept in the loop, no registers held across it)
-        at = opaque(bars + wg)
-        start(gq, uint64(descriptor_128b(at + uint32(DS_AT), lbo_d, sbo_d)),
-              uint64(descriptor_128b(at + uint32(K_AT), lbo_d, sbo_d)), t)
+    DQ_AT = DS_AT + 2 * DS_B  # after two of dS^T
 
     @inline
     def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask,
@@ -295,11 +292,11 @@ def _make(D, D_V, kind, with_dq):
                                   uint32(1 + TERM_THREADS))
                 tma.mbarrier_init(bars + uint32(8 * (EMPTY + s)),
                                   uint32(CONSUMERS))
-            if with_dq:  # a warpgroup's staging, the drain's reading
-                for c in range(2 * GROUPS):
-                    tma.mbarrier_init(bars + uint32(8 * (DQ_FULL + c)),
-                                      uint32(128))
-                    tma.mbarrier_init(bars + uint32(8 * (DQ_EMPTY + c)),
+            if with_dq:  # the consumers' staging, the drain's reading
+                for u in range(2):
+                    tma.mbarrier_init(bars + uint32(8 * (DQ_FULL + u)),
+                                      uint32(CONSUMERS))
+                    tma.mbarrier_init(bars + uint32(8 * (DQ_EMPTY + u)),
                                       uint32(1))
             tma.fence_mbarrier_init()
         cuda.syncthreads()
@@ -361,7 +358,8 @@ def _make(D, D_V, kind, with_dq):
         da = cuda.local.array((KP, 4), int32)  # dS^T: A of dK's k-steps
         gk = cuda.local.array((NK, 4), float32)  # dK_j
         gv = cuda.local.array((NV, 4), float32)  # dV_j
-        gq = cuda.local.array((8, 4), float32)  # 64 x 64 of dS K (fused)
+        # (fused) a warpgroup's 64 x 32 of dS K
+        gq = cuda.local.array((DQ_TILES, 4), float32)
         wc = w - 4  # this warp among the consumers
         key = j0 + 16 * wc + lane // 4  # this lane's first key (g)
         tq = 2 * (lane % 4)  # this lane's first column in an n-tile
@@ -395,11 +393,13 @@ def _make(D, D_V, kind, with_dq):
             to_a(pa, sf)
             v_issue(gv, pa, ot_desc + at_now)
             to_a(da, pf)
-            keep_ds(da, bars + uint32(DS_AT), t - 128)  # before dK's
-            # product takes da
+            # dS^T to buffer n % 2 (the other may still be read by the
+            # other warpgroup's product), before dK's product takes da
+            ds_at = bars + uint32(DS_AT + DS_B * (n % 2))
+            keep_ds(da, ds_at, t - 128)
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)
-            start_dq(gq, bars, wg, t - 128)
+            start_dq(gq, ds_at, k_at, wc)
             k_wait(gk, da)
             tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
             stage_dq(gq, bars, bars + uint32(DQ_AT), wc, n, lane, tau,
