@@ -17,7 +17,8 @@ from flashlab import bench, costs, measured, reference
 from flashlab.bench import cli, cpu, gpt, host, report, timing, training
 from flashlab.bench.runner import Case, Suite, run
 
-TINY = (("fwd+bwd", 2, 2, 64, 64, True), ("forward", 1, 3, 48, 64, False))
+TINY = (("fwd+bwd", 2, 2, 64, 64, True), ("forward", 1, 3, 48, 64, False),
+        ("fwd+bwd", 1, 4, 40, 32, True, 2))  # grouped: 4 query heads, 2 K/V
 # d = 64: the tensor-core kernels take it on a GPU
 
 
@@ -221,8 +222,9 @@ def test_training_suite_on_the_cpu_drops_the_missing_backend(tmp_path):
     rows = cli.measure(suite, str(tmp_path))
     _check_csv(tmp_path / "training.csv", rows, training.COLUMNS)
     assert [r["impl"] for r in rows] == [
-        "flashlab", "flashlab atomic dq", "torch flash"] * 2
-    assert [r["vs_torch"] for r in rows][2::3] == [1.0, 1.0]
+        "flashlab", "flashlab atomic dq", "torch flash"] * 3
+    assert [r["vs_torch"] for r in rows][2::3] == [1.0] * 3
+    assert [r["H_kv"] for r in rows] == [2] * 3 + [3] * 3 + [2] * 3
     # TFLOP/s from the row's own (rounded) ms, both rounded to 3 places:
     # they may differ by one unit of the last place, no more
     assert [r["tflops"] for r in rows] == pytest.approx([
@@ -250,14 +252,18 @@ def test_every_impl_computes_the_same_attention(name, device, dtype,
                                                dtype=dtype)}[name]
     suite = make()
     for case in suite.cases:
+        heads = case.params.get("H_kv", case.H)  # grouped: k, v fewer
         x = [torch.from_numpy(rng.standard_normal(
-                 (case.B, case.H, case.N, case.d))).to(
+                 (case.B, h, case.N, case.d))).to(
                  device=device, dtype=getattr(torch, dtype))
-             for _ in range(4)]
+             for h in (case.H, heads, heads, case.H)]
         for t in x[:3]:
             t.requires_grad_(case.pass_ == "fwd+bwd")
         q, k, v, do = (t.detach().cpu().double().numpy() for t in x)
-        o = reference.attention(q, k, v, causal=case.causal)
+        group = case.H // heads  # query head h reads K/V head h // group
+        o = reference.attention(q, np.repeat(k, group, axis=1),
+                                np.repeat(v, group, axis=1),
+                                causal=case.causal)
         for impl in case.impls:
             try:
                 got = suite.impls[case.pass_, impl](case, x)()
@@ -274,13 +280,16 @@ def test_every_impl_computes_the_same_attention(name, device, dtype,
 
 def _gradient_error(q, k, v, do, causal, got):
     """max |dX - dX_float64| / max |dX_float64| over dQ, dK, dV, the
-    float64 gradients by torch's autograd of the materialized math."""
+    float64 gradients by torch's autograd of the materialized math (K and
+    V repeated to the query heads, so grouped heads sum their gradients)."""
     leaves = [torch.from_numpy(t).requires_grad_() for t in (q, k, v)]
-    s = leaves[0] @ leaves[1].transpose(-1, -2) / q.shape[-1] ** 0.5
+    group = q.shape[1] // k.shape[1]
+    kx, vx = (t.repeat_interleave(group, dim=1) for t in leaves[1:])
+    s = leaves[0] @ kx.transpose(-1, -2) / q.shape[-1] ** 0.5
     if causal:
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         s = s.masked_fill(~keep, float("-inf"))
-    o = torch.softmax(s, -1) @ leaves[2]
+    o = torch.softmax(s, -1) @ vx
     want = torch.autograd.grad(o, leaves, torch.from_numpy(do))
     return max(float((g.cpu().double() - w).abs().max() / w.abs().max())
                for g, w in zip(got, want))

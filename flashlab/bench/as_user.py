@@ -40,16 +40,24 @@ def attention(name):
     return restricted
 
 
+def kv_heads(case):
+    """The case's K/V heads: params["H_kv"] where given (grouped heads),
+    else its H."""
+    return case.params.get("H_kv", case.H)
+
+
 def tensors(device):
-    """inputs(case): q, k, v, dO (B, H, N, d) in the case's dtype, seeded
-    by the shape; q, k, v are leaves with gradients for a fwd+bwd step."""
+    """inputs(case): q, k, v, dO (B, H, N, d) in the case's dtype (k and v
+    with kv_heads(case) heads), seeded by the shape; q, k, v are leaves
+    with gradients for a fwd+bwd step."""
     def inputs(case):
         import torch
 
         gen = torch.Generator(device=device).manual_seed(case.N + case.B)
-        x = [torch.randn(case.B, case.H, case.N, case.d, device=device,
+        heads = (case.H, kv_heads(case), kv_heads(case), case.H)
+        x = [torch.randn(case.B, h, case.N, case.d, device=device,
                          dtype=getattr(torch, case.dtype), generator=gen)
-             for _ in range(4)]
+             for h in heads]
         for t in x[:3]:
             t.requires_grad_(case.pass_ == "fwd+bwd")
         return x
@@ -58,11 +66,14 @@ def tensors(device):
 
 def call(name):
     """impl(case, inputs): the forward, or for a fwd+bwd case the
-    forward and autograd's backward from the fixed dO."""
+    forward and autograd's backward from the fixed dO; enable_gqa where
+    the case's K/V heads are fewer."""
     def make(case, x):
         import torch
 
         attend = attention(name)
+        if kv_heads(case) != case.H:
+            attend = functools.partial(attend, enable_gqa=True)
         q, k, v, do = x
         if case.pass_ == "forward":
             return lambda: attend(q, k, v, is_causal=case.causal)

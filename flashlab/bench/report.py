@@ -29,6 +29,7 @@ COLUMNS = {
     "dtype": Column("dtype", 8, align="<"),
     "B": Column("B", 3),
     "H": Column("H", 3),
+    "H_kv": Column("Hkv", 3),
     "d": Column("d", 4),
     "N": Column("N", 6),
     "C": Column("C", 5),
