@@ -190,13 +190,19 @@ def test_chapter12_answers_match_the_kernel_and_the_model():
     got = exercises.solution("ds_tile_place")(t, kp, r)
     assert got.tolist() == [fragments.a_pair_offset(*map(int, x))
                             for x in zip(t, kp, r)]
-    # and backward v8's staged dQ places the ones its kernel stores at
-    # (fragments.c_pair_offset32, compiled into backward_v8)
+    # and backward v8's staged dQ places the ones its kernel stores at:
+    # warpgroup c's n-tile x (of 4) at fragments.c_pair_offset32 (compiled
+    # into backward_v8) in box c, STREAMED x 128 bytes a box
+    from flashlab.gpu import backward_v8
+
     t, n, h = (x.ravel() for x in np.meshgrid(
         np.arange(128), np.arange(8), np.arange(2), indexing="ij"))
     got = exercises.solution("dq_stage_place")(t, n, h)
-    assert got.tolist() == [fragments.c_pair_offset32(*map(int, x))
-                            for x in zip(t, n, h)]
+    tiles = backward_v8.DQ_BOX // 8  # n-tiles of a warpgroup's columns
+    box = backward_v8.STREAMED * 128
+    assert got.tolist() == [
+        box * (int(x) // tiles) + fragments.c_pair_offset32(
+            int(y), int(x) % tiles, int(z)) for y, x, z in zip(t, n, h)]
 
 
 def test_chapter12_parities_are_the_ones_forward_v8_waits_on():

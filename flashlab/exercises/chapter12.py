@@ -640,10 +640,11 @@ register("ds_tile_place", Exercise(
 
 
 def _model_dq_stage(t, n, h):
-    """Byte offsets from the models: the accumulator place of registers
-    4 n + 2 h (fragments.wgmma_c_places), where TMA's 128-byte swizzle
-    lays that float32 of a box of 32 columns (fragments.swizzle_address),
-    boxes one after another."""
+    """Byte offsets from the models: the place of registers 4 n + 2 h of
+    a 64 x 64 accumulator (fragments.wgmma_c_places; warpgroup n // 4's
+    64 x 32 one is its columns 32 (n // 4) on), where TMA's 128-byte
+    swizzle lays that float32 of a box of 32 columns
+    (fragments.swizzle_address), boxes one after another."""
     places = fragments.wgmma_c_places(64)[t, 4 * n + 2 * h]  # (n, 2)
     rows, cols = places[:, 0], places[:, 1]
     inside = fragments.swizzle_address(128 * rows + 4 * (cols % 32))
@@ -653,7 +654,7 @@ def _model_dq_stage(t, n, h):
 def _cases_dq_stage_place(rng):
     t, n, h = (x.ravel() for x in np.meshgrid(
         np.arange(128), np.arange(8), np.arange(2), indexing="ij"))
-    out = [Case("every pair of a warpgroup", (t, n, h),
+    out = [Case("every pair of both warpgroups", (t, n, h),
                 _model_dq_stage(t, n, h))]
     t, n, h = (rng.integers(0, k, 20) for k in (128, 8, 2))
     out.append(Case("random pairs", (t, n, h), _model_dq_stage(t, n, h)))
@@ -662,13 +663,16 @@ def _cases_dq_stage_place(rng):
 
 def dq_stage_place(t, n, h):
     """Chapter 12: byte offsets (m,) where backward v8's fused kernel
-    stages the float32 pair of accumulator n-tile n, row half h, of
-    thread t (0..127) of a warpgroup's 64 x 64 dQ_i, for TMA to add.
+    stages, for TMA to add, the float32 pair of n-tile n (0..7), row half
+    h, of a 64 x 64 dQ_i tile, held by thread t (0..127) of warpgroup
+    n // 4: warpgroup c forms dQ_i's columns 32 c to 32 c + 31, and n is
+    its accumulator's n-tile n % 4.
 
     The pair is row 16 w + G + 8 h, columns 8 n + 2 t' and one more
-    (warp w, lane 4 G + t'). The tile is two boxes of 32 columns (8 KiB
-    each, one after the other), each row 128 bytes with its 16-byte
-    chunk c at c ^ (row % 8), as TMA's 128-byte swizzle lays a box.
+    (warp w of the warpgroup, lane 4 G + t'). The tile is two boxes of 32
+    columns (8 KiB each, one after the other; box c is warpgroup c's),
+    each row 128 bytes with its 16-byte chunk k at k ^ (row % 8), as
+    TMA's 128-byte swizzle lays a box.
     """
     warp, lane = t // 32, t % 32
     row = 16 * warp + lane // 4 + 8 * h
@@ -709,12 +713,14 @@ def _stage_two_byte_values(t, n, h):
 
 register("dq_stage_place", Exercise(
     12, "dq_stage_place(t (m,), n (m,), h (m,)) -> int array (m,): the "
-    "byte offset where backward v8's fused kernel stages thread t's "
-    "float32 pair of accumulator n-tile n, row half h, of its 64 x 64 "
-    "dQ piece, in two 128-byte-swizzled TMA boxes of 32 columns",
+    "byte offset where backward v8's fused kernel stages the float32 "
+    "pair of n-tile n (0..7), row half h, of a 64 x 64 dQ_i tile, held "
+    "by thread t of warpgroup n // 4 (its n-tile n % 4), in two "
+    "128-byte-swizzled TMA boxes of 32 columns",
     _cases_dq_stage_place, dq_stage_place,
-    (("a TMA box is 128 bytes wide: 32 float32 columns, so n-tiles 4 to "
-      "7 go to the second box, 8 KiB on", _stage_one_box),
+    (("a TMA box is 128 bytes wide, 32 float32 columns: warpgroup 1's "
+      "columns, n-tiles 4 to 7, go to the second box, 8 KiB on",
+      _stage_one_box),
      ("TMA lays a box 128-byte swizzled: chunk c of a row sits at c ^ "
       "(row % 8)", _stage_unswizzled),
      ("h is the row half: registers 2 and 3 of an n-tile are 8 rows "
