@@ -23,12 +23,14 @@ as forward_v8 does.
 
 `make_fused` (where the caller allows atomics: deterministic=False) is
 FlashAttention-3's whole backward in one pass: the same kernel also
-forms dQ_i = dS K_j over each warpgroup's 64 keys (dS^T kept in shared
-memory, read MN-major, as backward_v7's fused kernel does), stages
-tau dQ_i in shared memory as TMA's float32 boxes lie, and one more
-producer thread adds each staged tile to a float32 dQ in global memory
-with TMA's reduction (`cp.reduce.async.bulk.tensor`), so the consumers
-never wait for an atomic. Five products a tile pair instead of seven;
+forms dQ_i = dS K_j, dS^T kept in shared memory and read MN-major as
+backward_v7's fused kernel does, but over all of the block's 128 keys,
+with dQ_i's columns split between the two warpgroups (32 each). They
+stage tau dQ_i in shared memory as TMA's float32 boxes lie, one 64 x 64
+tile a block and tile pair, and one more producer thread adds each
+staged tile to a float32 dQ in global memory with TMA's reduction
+(`cp.reduce.async.bulk.tensor`), so the consumers never wait for an
+atomic. Five products a tile pair instead of seven;
 dQ's last bits vary with the order the additions land in. See chapter
 12.
 """
