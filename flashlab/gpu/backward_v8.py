@@ -404,10 +404,11 @@ def _make(D, D_V, kind, with_dq):
             start_dq(gq, ds_at, k_at, wc)
             k_wait(gk, da)
             tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
-            stage_dq(gq, bars, bars + uint32(DQ_AT), wc, n, lane, tau,
-                     where, int32(b), int32(i0))
+            # the next item worked out while dQ's product (fused) runs
             g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
+            stage_dq(gq, bars, bars + uint32(DQ_AT), wc, n, lane, tau,
+                     where, int32(b), int32(i0))
             n += 1
         close(bars, wc, n, lane, where)
         store_k(gk, dk, bk, key, nk, lane % 4, tau)
