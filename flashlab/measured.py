@@ -5,7 +5,8 @@ The benchmark tables and ceilings in `flashlab/data/` were measured with
 `--decode`, ring_h200x2: `--ring` on two GPUs; launch_h200 with
 `python -m flashlab.launch_cost`, gpt_h200 with `--gpt`; hopper_h200,
 hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
-`--hopper`; cpu_masks with
+`--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
+run twice for each of two builds; cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or
@@ -25,6 +26,7 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "decode_h200.csv", "ring_h200x2.json", "launch_h200.json",
          "gpt_h200.csv", "hopper_h200.csv", "hopper_h200.json",
          "hopper_backward_h200.csv", "hopper_fp8_h200.csv",
+         "hopper_fused_order_h200.csv",
          "hopper_profile_h200.txt",
          "hopper_ladder_h200.json", "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
