@@ -175,6 +175,34 @@ def tile_full(i0, i1, j0, j1, r, kv_len):
     return j1 <= kv_len
 
 
+def full_run_of(full):
+    """full_run over the predicate `full` (tile_full, or its device
+    function: the kernels compile this same scan)."""
+
+    def full_run(i0, i1, first, last, nk, bc, r, kv_len):
+        """(lo, hi): the tiles first..last of bc keys (tile t holds keys
+        t bc..t bc + bc - 1) that lie below nk and in which every pair
+        with rows i0..i1-1 is allowed; hi < lo when there is none.
+
+        Each of tile_full's bounds holds for every j0 up to a limit, or
+        for every j0 from one, so the full tiles are one run: scanning in
+        from both ends costs a call per tile that is not full.
+        """
+        lo, hi = first, last
+        while lo <= hi and not (lo * bc + bc <= nk and full(
+                i0, i1, lo * bc, lo * bc + bc, r, kv_len)):
+            lo += 1
+        while hi >= lo and not (hi * bc + bc <= nk and full(
+                i0, i1, hi * bc, hi * bc + bc, r, kv_len)):
+            hi -= 1
+        return lo, hi
+
+    return full_run
+
+
+full_run = full_run_of(tile_full)
+
+
 def allowed_range(x, keys_in_rows, nq, nk, r, kv_len):
     """(lo, hi): the columns row x may pair with, lo..hi inclusive (hi <
     lo: none). Every index rule keeps an interval (pair_allowed), so the

@@ -68,6 +68,30 @@ def test_patterns_match_definition_and_skip_only_empty_tiles(
     assert max_abs_err(o, mask_ref) < 1e-12
 
 
+@settings(max_examples=150, deadline=None)
+@given(nq=st.integers(1, 60), nk=st.integers(1, 60),
+       causal=st.sampled_from([False, True, "bottom_right"]),
+       window=windows, kv=st.integers(0, 60), bq=st.integers(1, 20),
+       bk=st.integers(1, 20))
+def test_full_run_is_every_full_tile_and_only_those(nq, nk, causal, window,
+                                                    kv, bq, bk):
+    # the tiles a block visits that need no mask are one run (forward_v8
+    # finds it once a block): exactly the tiles tile_full passes
+    rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+    kv = min(kv, nk)
+    n_tiles = -(-nk // bk)
+    for i0 in range(0, nq, bq):
+        i1 = min(i0 + bq, nq)
+        for first in range(n_tiles):
+            for last in range(first - 1, n_tiles):
+                lo, hi = masks.full_run(i0, i1, first, last, nk, bk, rules,
+                                        kv)
+                want = [t for t in range(first, last + 1)
+                        if t * bk + bk <= nk and masks.tile_full(
+                            i0, i1, t * bk, t * bk + bk, rules, kv)]
+                assert list(range(lo, hi + 1)) == want
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), nq=st.integers(1, 30), nk=st.integers(1, 30),
        density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),

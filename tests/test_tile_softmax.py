@@ -1,11 +1,13 @@
-"""warp.tile_is_plain (on numba's simulator) and warp.plain_softmax (on a
-GPU: its shuffles and ex2 have no simulator form).
+"""warp.full_run (on numba's simulator) and warp.plain_softmax (on a GPU:
+its shuffles and ex2 have no simulator form).
 
-forward_v8 with three consumer warpgroups runs the softmax of a plain
-tile (no mask array, no dropout, every pair allowed) by plain_softmax,
-under P V, and every other tile's by tile_softmax after P V. So the two
-must agree exactly on a plain tile, and tile_is_plain must call a tile
-plain exactly when masks.pair_allowed allows all of its pairs."""
+forward_v8 finds, once a block, the run of its tiles that need no mask
+(`full_run`). With three consumer warpgroups it runs the softmax of a
+full tile without dropout by plain_softmax, under P V, and every other
+tile's by tile_softmax after P V; with two, known_softmax masks only the
+tiles outside the run. So the run must hold exactly the tiles whose
+every pair masks.pair_allowed allows, and plain_softmax and
+tile_softmax must agree exactly on such a tile."""
 
 import numpy as np
 import pytest
@@ -21,12 +23,16 @@ FULL = dict(scale=None, causal=False, mask=None, window=None,
 
 
 @cuda.jit
-def _plain(tiles, out, bc, nk, rules, kv_len):
-    # tiles[x] = (b, i0, i1, j0): one thread a tile
+def _runs(blocks, out, bc, nk, rules, kv_len):
+    # blocks[x] = (b, i0, i1): one thread a block of rows; out[x] = its
+    # tile_range and full_run, as forward_v8 finds them
     x = cuda.grid(1)
-    if x < tiles.shape[0]:
-        b, i0, i1, j0 = tiles[x, 0], tiles[x, 1], tiles[x, 2], tiles[x, 3]
-        out[x] = warp.tile_is_plain(i0, i1, j0, bc, nk, rules, kv_len[b])
+    if x < blocks.shape[0]:
+        b, i0, i1 = blocks[x, 0], blocks[x, 1], blocks[x, 2]
+        first, last = warp.tile_range(i0, i1, nk, bc, rules, kv_len[b])
+        lo, hi = warp.full_run(i0, i1, first, last, nk, bc, rules,
+                               kv_len[b])
+        out[x, 0], out[x, 1], out[x, 2], out[x, 3] = first, last, lo, hi
 
 
 @cuda.jit
@@ -74,38 +80,37 @@ def _rules(rng, nq, nk, opts):
 @pytest.mark.parametrize("opts", [
     dict(), dict(causal=True), dict(causal="bottom_right"),
     dict(window=(40, 5)), dict(causal=True, window=(200, 0)),
-    dict(kv_lengths="ragged"), dict(dropout_p=0.25, seed=3),
-    dict(mask="random")])
-def test_tile_is_plain_is_every_pair_allowed(rng, opts):
+    dict(window=(300, 150)), dict(kv_lengths="ragged")])
+def test_full_run_is_the_tiles_whose_every_pair_is_allowed(rng, opts):
     nq, nk = (int(x) for x in rng.integers(130, 600, 2))
     if opts.get("causal") == "bottom_right":
-        # a plain tile needs a row that sees the first 128 keys: row i
-        # sees keys up to i + nk - nq, and the last 64-row tile starts
-        # past nq - 64, so nk >= 191 gives one whatever nq (from 130,
-        # about one draw in 30 had none: rng seed 6076)
+        # a full tile needs a row that sees the first 128 keys: row i
+        # sees keys up to i + nk - nq, and the last 64-row block starts
+        # past nq - 64, so nk >= 191 gives one whatever nq
         nk = int(rng.integers(191, 600))
+    nk += nk % BC == 0  # a ragged last tile, never full
     opts = dict(opts)
     if opts.get("kv_lengths") == "ragged":
         opts["kv_lengths"] = np.array([[nk, int(rng.integers(1, nk))]])
-    if opts.get("mask") == "random":
-        opts["mask"] = rng.random((1, 2, nq, nk)) < 0.9
     rules, kv_len, _, lengths = _rules(rng, nq, nk, opts)
-    tiles = np.array([(b, i0, min(i0 + br, nq), j0) for b in range(2)
-                      for br in (64, 192) for i0 in range(0, nq, br)
-                      for j0 in range(0, nk, 64)], np.int64)
-    out = np.full(len(tiles), 7, np.bool_)  # poison: neither answer
-    _plain[(len(tiles) + 63) // 64, 64](tiles, out, BC, nk, rules, kv_len)
-    wants = []
-    for (b, i0, i1, j0), got in zip(tiles, out):
-        want = (not rules.use_mask and not rules.use_dropout
-                and j0 + BC <= nk and all(
-                    masks.pair_allowed(i, j, rules, lengths[b])
-                    for i in range(i0, i1) for j in range(j0, j0 + BC)))
-        assert got == want, (b, i0, i1, j0)
-        wants.append(want)
-    if not (rules.use_mask or rules.use_dropout
-            or opts.get("window") == (40, 5)):  # narrower than a tile
-        assert any(wants) and not all(wants)  # both answers were checked
+    blocks = np.array([(b, i0, min(i0 + br, nq)) for b in range(2)
+                       for br in (64, 128, 192) for i0 in range(0, nq, br)],
+                      np.int64)
+    out = np.full((len(blocks), 4), -7, np.int64)  # poison: no tile index
+    _runs[(len(blocks) + 63) // 64, 64](blocks, out, BC, nk, rules, kv_len)
+    fulls = 0
+    for (b, i0, i1), (first, last, lo, hi) in zip(blocks, out):
+        for t in range(first, last + 1):
+            want = t * BC + BC <= nk and all(
+                masks.pair_allowed(i, j, rules, lengths[b])
+                for i in range(i0, i1) for j in range(t * BC, t * BC + BC))
+            assert (lo <= t <= hi) == want, (b, i0, i1, t)
+            fulls += want
+        assert lo > hi or first <= lo <= hi <= last
+    visited = sum(last - first + 1 for first, last, _, _ in out)
+    if opts.get("window") != (40, 5):  # narrower than a tile
+        assert fulls > 0  # both answers were checked
+    assert fulls < visited  # the ragged last tile at least
 
 
 @pytest.mark.gpu  # the softmax's shuffles and ex2: not on the simulator
@@ -116,13 +121,13 @@ def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh):
     # from a fresh row (m = -inf) and from one with earlier tiles seen;
     # tau <= 0 is scaled first (it reorders the scores)
     nq = nk = 512
-    i0, j0 = 256, 64
+    i0, j0 = 256, 128  # keys 128..255: every one below each row
     rules, kv_len, mask, _ = _rules(rng, nq, nk,
                                     dict(causal=True, scale=scale))
-    tile = np.array([[0, i0, i0 + 16, j0]], np.int64)
-    plain = np.zeros(1, np.bool_)
-    _plain[1, 1](tile, plain, BC, nk, rules, kv_len)
-    assert plain[0]
+    block = np.array([[0, i0, i0 + 16]], np.int64)
+    run = np.full((1, 4), -7, np.int64)
+    _runs[1, 1](block, run, BC, nk, rules, kv_len)
+    assert run[0, 2] <= j0 // BC <= run[0, 3]  # a full tile
     s = (3 * rng.standard_normal((32, TILES, 4))).astype(np.float32)
     state = np.zeros((32, 3, 2), np.float32)
     if fresh:

@@ -201,7 +201,7 @@ def make_dq(D, D_V, kind="bf16"):
             load_panels(v_at, v, bk, first * BC, BC, D_V, t)
             cp_async_commit()
         for jt in range(first, last + 1):
-            now = uint32((jt - first) % 2)  # the stage of tile jt
+            now = uint32((jt - first) & 1)  # the stage of tile jt
             cp_async_wait_all()
             # tile jt has landed; every warpgroup has waited for the
             # products of tile jt - 1: the other stage is free

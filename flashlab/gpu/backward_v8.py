@@ -145,7 +145,7 @@ def _stage_hooks(D, kind):
     @inline
     def claim(bars, n):
         # tile buffer n % 2, once TMA has read the tile before in it
-        u, phase = n % 2, (n // 2) % 2
+        u, phase = n & 1, (n >> 1) & 1
         tma.wait(bars + uint32(8 * (DQ_EMPTY + u)), uint32(1 - phase))
         return u
 
@@ -184,7 +184,7 @@ def _stage_hooks(D, kind):
         # few registers
         n = 0
         while True:
-            u, phase = n % 2, (n // 2) % 2
+            u, phase = n & 1, (n >> 1) & 1
             tma.wait(bars + uint32(8 * (DQ_FULL + u)), uint32(phase))
             b, i0 = where[u, 0], where[u, 1]
             if b < 0:
@@ -325,7 +325,7 @@ def _make(D, D_V, kind, with_dq):
                                 int32(j0), int32(bk), full)
             n = 0
             while g < groups:
-                s, phase = n % 2, (n // 2) % 2
+                s, phase = n & 1, (n >> 1) & 1
                 b, i0 = b0 + g, it * BQ
                 # a stage is free once both consumers are done with it;
                 # the first pass finds both free
@@ -381,7 +381,7 @@ def _make(D, D_V, kind, with_dq):
             tma.wait(bars + uint32(8 * KV_FULL), uint32(0))
         n = 0
         while g < groups:
-            s, phase = n % 2, (n // 2) % 2
+            s, phase = n & 1, (n >> 1) & 1
             b, i0 = b0 + g, it * BQ
             i1 = min(i0 + BQ, nq)
             tma.wait(bars + uint32(8 * (FULL + s)), uint32(phase))
@@ -397,7 +397,7 @@ def _make(D, D_V, kind, with_dq):
             to_a(da, pf)
             # dS^T to buffer n % 2 (the other may still be read by the
             # other warpgroup's product), before dK's product takes da
-            ds_at = bars + uint32(DS_AT + DS_B * (n % 2))
+            ds_at = bars + uint32(DS_AT + DS_B * (n & 1))
             keep_ds(da, ds_at, t - 128)
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)

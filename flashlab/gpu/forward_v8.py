@@ -51,10 +51,11 @@ from flashlab.gpu.intrinsics import (
     shared_address,
 )
 from flashlab.gpu.warp import (
+    full_run,
+    known_softmax,
     make_store_rows16,
     plain_softmax,
     rescale,
-    tile_is_plain,
     tile_range,
     tile_softmax,
 )
@@ -223,7 +224,7 @@ def make(D, D_V, kind="bf16"):
                                 bars + uint32(8 * Q_FULL))
                 for jt in range(first, last + 1):
                     n = jt - first
-                    s, phase = n % 2, (n // 2) % 2
+                    s, phase = n & 1, (n >> 1) & 1
                     # a stage is free once both warpgroups are done with
                     # it; the first pass finds every stage free
                     tma.wait(bars + uint32(8 * (K_EMPTY + s)),
@@ -261,19 +262,35 @@ def make(D, D_V, kind="bf16"):
         for n in range(NO):
             for x in range(4):
                 of[n, x] = F0
+        # the tiles that need no mask: one run, found once here. Tested
+        # tile by tile (int64 bounds of causal, window and padding), the
+        # test sat on each tile's critical path. (Where three warpgroups
+        # share the registers, a tile that is not full still takes
+        # tile_softmax: known_softmax there makes ptxas spill.)
+        full_lo, full_hi = int32(0), int32(-1)
+        if not rules.use_mask:
+            lo, hi = full_run(i0, i1, first, last, nk, BC, rules, kv)
+            full_lo, full_hi = int32(lo), int32(hi)
         if first <= last:
             tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
             tma.wait(bars + uint32(8 * K_FULL), uint32(0))
             s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
             s_wait(sf)
             tma.arrive(bars + uint32(8 * K_EMPTY))
-            tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         first * BC, nq, nk, rules, kv_len, mask, kv)
+            if TIGHT:
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                             first * BC, nq, nk, rules, kv_len, mask, kv)
+            else:
+                known_softmax(sf, m, l, al, seen, NS, b, row, first * BC,
+                              nq, nk, rules, kv_len, mask,
+                              full_lo <= int32(first) <= full_hi)
             to_a(pf, sf)
         for jt in range(first + 1, last + 1):
+            # stage and phase by bits: n // 2 % 2 of a signed n costs a
+            # dozen instructions ahead of every tile's products
             n = jt - first
-            s, phase = n % 2, (n // 2) % 2
-            ps, p_phase = (n - 1) % 2, ((n - 1) // 2) % 2  # tile jt - 1
+            s, phase = n & 1, (n >> 1) & 1
+            ps, p_phase = (n - 1) & 1, ((n - 1) >> 1) & 1  # tile jt - 1
             tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
             s_issue(sf, q_desc, k_desc + k_next * uint64(s))  # S_{i,j}
             tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
@@ -282,10 +299,11 @@ def make(D, D_V, kind="bf16"):
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
             # the softmax of tile jt while P V of tile jt - 1 runs
             if not TIGHT:
-                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                             jt * BC, nq, nk, rules, kv_len, mask, kv)
+                known_softmax(sf, m, l, al, seen, NS, b, row, jt * BC, nq,
+                              nk, rules, kv_len, mask,
+                              full_lo <= int32(jt) <= full_hi)
                 o_wait(of, pf)
-            elif tile_is_plain(i0, i1, jt * BC, BC, nk, rules, kv):
+            elif full_lo <= int32(jt) <= full_hi and not rules.use_dropout:
                 plain_softmax(sf, m, l, al, seen, NS, rules)
                 o_wait(of, pf)
             else:  # a mask or dropout needs registers that P holds:
@@ -297,9 +315,9 @@ def make(D, D_V, kind="bf16"):
             to_a(pf, sf)
         if first <= last:  # O_i += P V of the last tile
             n = last - first
-            tma.wait(bars + uint32(8 * (V_FULL + n % 2)),
-                     uint32((n // 2) % 2))
-            o_issue(of, pf, v_desc + v_next * uint64(n % 2))
+            tma.wait(bars + uint32(8 * (V_FULL + (n & 1))),
+                     uint32((n >> 1) & 1))
+            o_issue(of, pf, v_desc + v_next * uint64(n & 1))
             o_wait(of, pf)
         if eight:  # V's per-tensor scale, on the sum it weighted
             for n in range(NO):

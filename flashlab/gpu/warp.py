@@ -64,6 +64,8 @@ a_from_c = cuda.jit(device=True)(fragments.a_from_c)
 allowed_range = inline(masks.allowed_range)
 columns_below = inline(fragments.columns_below)
 spread_pairs = inline(fragments.spread_pairs)
+# the run of tiles that need no mask, found once a block (v8)
+full_run = inline(masks.full_run_of(tile_full))
 
 
 @inline
@@ -400,9 +402,30 @@ def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
     here would sit between each S and its softmax.
     """
     scale_first(sf, tiles, rules)
+    full = not rules.use_mask and j0 + bc <= nk and tile_full(
+        i0, i1, j0, j0 + bc, rules, kv)
+    scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
+                   kv_len, mask, full)
+
+
+@inline
+def known_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
+                  kv_len, mask, full):
+    """tile_softmax of a tile the caller knows to be full (every pair
+    allowed, no mask array) or not: v8 finds its run of full tiles once
+    a block (`full_run`), not once a tile."""
+    scale_first(sf, tiles, rules)
+    scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
+                   kv_len, mask, full)
+
+
+@inline
+def scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
+                   kv_len, mask, full):
+    """known_softmax after scale_first: the mask where the tile is not
+    full, then the online softmax and dropout."""
     bits = int64(-1)  # every pair of a full tile is allowed
-    if rules.use_mask or j0 + bc > nk or not tile_full(
-            i0, i1, j0, j0 + bc, rules, kv):
+    if not full:
         bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                            tiles)
     note_allowed(seen, bits, tiles)
@@ -421,17 +444,9 @@ def scale_first(sf, tiles, rules):
 
 
 @inline
-def tile_is_plain(i0, i1, j0, bc, nk, rules, kv):
-    """Whether a tile of queries i0..i1 and keys j0..j0 + bc needs
-    neither a mask nor dropout: every pair allowed, no mask array."""
-    return (not rules.use_mask and not rules.use_dropout and j0 + bc <= nk
-            and tile_full(i0, i1, j0, j0 + bc, rules, kv))
-
-
-@inline
 def plain_softmax(sf, m, l, al, seen, tiles, rules):
-    """tile_softmax of a tile that tile_is_plain: no mask, no dropout, so
-    none of their registers (v8 runs it while P V holds its operands)."""
+    """tile_softmax of a full tile (`full_run`) without dropout: no mask,
+    so none of its registers (v8 runs it while P V holds its operands)."""
     scale_first(sf, tiles, rules)
     note_allowed(seen, int64(-1), tiles)
     online_softmax(sf, m, l, al, tiles, rules)
