@@ -6,7 +6,9 @@ The benchmark tables and ceilings in `flashlab/data/` were measured with
 `python -m flashlab.launch_cost`, gpt_h200 with `--gpt`; hopper_h200,
 hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
 `--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
-run twice for each of two builds; cpu_masks with
+run twice for each of two builds; hopper_full_run_h200 with the forwards
+run twice for each of two builds; hopper_stalls with ncu's source
+counters, reduced by `flashlab.stalls`; cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or
@@ -27,7 +29,8 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "gpt_h200.csv", "hopper_h200.csv", "hopper_h200.json",
          "hopper_backward_h200.csv", "hopper_fp8_h200.csv",
          "hopper_fused_order_h200.csv",
-         "hopper_profile_h200.txt",
+         "hopper_profile_h200.txt", "hopper_stalls_h200.csv",
+         "hopper_full_run_h200.csv",
          "hopper_ladder_h200.json", "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
          "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv",

@@ -14,7 +14,10 @@ no warpgroup waits for another, and `setmaxnreg` gives the producer's
 registers to the consumers (`REGISTERS`: 24 and 240 a thread where two
 consumers are built with 168; 32 and 160 where three are built with
 128). At 160 a tile that needs a mask or dropout runs its softmax after
-P V, whose operands hold the registers that work needs.
+P V, whose operands hold the registers that work needs. The run of tiles
+that need no mask is found once a block (`warp.full_run`), and a tile's
+stage and phase are bits of its count: both had cost instructions on
+each tile's path from one product to the next (chapter 12).
 
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
 them as the last argument; the launch's `derived` update points it at
