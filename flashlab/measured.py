@@ -8,7 +8,7 @@ hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
 `--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
 run twice for each of two builds; hopper_full_run_h200 with the forwards
 run twice for each of two builds; hopper_stalls with ncu's source
-counters, reduced by `flashlab.stalls`; cpu_masks with
+counters, reduced by `python -m flashlab.stalls`; cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or

@@ -8,7 +8,9 @@ issuing (or that it is: "selected"). Exported with
 one row per instruction per kernel; `reduce` sums it per opcode, which is
 small enough to store (hopper_stalls_h200.csv), and `by_class` sums the
 opcodes into the classes of work a FlashAttention kernel does. See
-chapter 12.
+chapter 12. The stored file, from two such exports:
+
+    python -m flashlab.stalls out.csv before=old.csv after=new.csv
 """
 
 import csv
@@ -135,3 +137,24 @@ def write(rows, path):
         out = csv.DictWriter(f, fieldnames=list(rows[0]))
         out.writeheader()
         out.writerows(rows)
+
+
+def main(argv):
+    """out.csv build=source.csv ...: the rows of each build's export,
+    reduced, into one file."""
+    if len(argv) < 2 or not all("=" in a for a in argv[1:]):
+        raise SystemExit("usage: python -m flashlab.stalls out.csv "
+                         "build=source.csv [build=source.csv ...]")
+    rows = []
+    for arg in argv[1:]:
+        build, path = arg.split("=", 1)
+        with open(path) as f:
+            rows += reduce(f.read(), build)
+    write(rows, argv[0])
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -103,3 +103,17 @@ def test_stored_samples_cover_both_builds_and_kinds():
                          ["integer and control"][0]
                          for b in ("before", "after"))
         assert after < before
+
+
+def test_main_writes_each_builds_rows_into_one_file(tmp_path):
+    for build in ("before", "after"):
+        (tmp_path / f"{build}.csv").write_text(REPORT)
+    out = tmp_path / "stalls.csv"
+    rows = stalls.main([str(out), f"before={tmp_path / 'before.csv'}",
+                        f"after={tmp_path / 'after.csv'}"])
+    assert {r["build"] for r in rows} == {"before", "after"}
+    text = out.read_text().splitlines()
+    assert text[0].startswith("build,kernel,opcode,samples,executed")
+    assert len(text) == 1 + len(rows) == 1 + 2 * 8
+    with pytest.raises(SystemExit, match="usage"):
+        stalls.main([str(out), "before.csv"])
