@@ -8,7 +8,9 @@ hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
 `--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
 run twice for each of two builds; hopper_full_run_h200 with the forwards
 run twice for each of two builds; hopper_stalls with ncu's source
-counters, reduced by `python -m flashlab.stalls`; cpu_masks with
+counters, reduced by `python -m flashlab.stalls`; hopper_trials_h200
+the one-off runs of builds that were not kept, as its notes say;
+cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
 profile with Nsight Compute (ncu), on the machine their first line or
@@ -30,7 +32,7 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "hopper_backward_h200.csv", "hopper_fp8_h200.csv",
          "hopper_fused_order_h200.csv",
          "hopper_profile_h200.txt", "hopper_stalls_h200.csv",
-         "hopper_full_run_h200.csv",
+         "hopper_full_run_h200.csv", "hopper_trials_h200.json",
          "hopper_ladder_h200.json", "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
          "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv",
