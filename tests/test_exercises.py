@@ -205,6 +205,32 @@ def test_chapter12_answers_match_the_kernel_and_the_model():
             int(y), int(x) % tiles, int(z)) for y, x, z in zip(t, n, h)]
 
 
+def test_chapter12_full_tiles_is_the_run_forward_v8_finds(rng):
+    # the worked answer, from the bounds at once, against masks.full_run,
+    # the scan that forward_v8 compiles, on random rules and blocks
+    from flashlab import masks
+
+    full_tiles = exercises.solution("full_tiles")
+    for _ in range(300):
+        nq, nk = (int(x) for x in rng.integers(1, 700, 2))
+        causal = [False, True, "bottom_right"][int(rng.integers(3))]
+        window = None if rng.random() < 0.4 else tuple(
+            None if rng.random() < 0.3 else int(rng.integers(0, 300))
+            for _ in range(2))
+        rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+        kv_len = int(rng.integers(0, nk + 1))
+        bc = int(rng.choice([16, 64, 128]))
+        i0 = int(rng.integers(0, nq))
+        i1 = min(nq, i0 + int(rng.integers(1, 200)))
+        lo, hi = masks.full_run(i0, i1, 0, -(-nk // bc) - 1, nk, bc,
+                                rules, kv_len)
+        got = full_tiles(i0, i1, nk, bc, bool(rules.causal),
+                         int(rules.offset), int(rules.left),
+                         int(rules.right), kv_len)
+        assert got.tolist() == list(range(lo, hi + 1)), (
+            nq, nk, causal, window, kv_len, bc, i0, i1)
+
+
 def test_chapter12_parities_are_the_ones_forward_v8_waits_on():
     # the worked answer against the kernel's own waits, read from its
     # source: consumers on K full of tile n, the producer on K empty

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flashlab import fragments
+from flashlab import fragments, masks
 from flashlab.exercises.checker import Case, Exercise, register
 
 # ---------------------------------------------------------- descriptor
@@ -727,3 +727,99 @@ register("dq_stage_place", Exercise(
       "down, not the next column", _stage_h_as_column),
      ("dQ is staged in float32: 4 bytes a value, 4 values a 16-byte "
       "chunk", _stage_two_byte_values))))
+
+# ---------------------------------------------------------- full_tiles
+
+
+def _cases_full_tiles(rng):
+    out = []
+    for name, nq, nk, causal, window, kv in (
+            ("no rule: every tile but a ragged last one", 300, 1000,
+             False, None, None),
+            ("causal, a block on the diagonal", 1000, 1000, True, None,
+             None),
+            ("causal from the bottom right, fewer queries than keys", 200,
+             900, "bottom_right", None, None),
+            ("a window of 300 keys back, 40 ahead", 1200, 1200, False,
+             (300, 40), None),
+            ("causal with a window of 500 back", 2000, 2000, True,
+             (500, 0), None),
+            ("padding: 700 valid keys of 1024", 512, 1024, False, None,
+             700)):
+        rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+        kv_len = nk if kv is None else kv
+        # a block where each bound falls inside it, then a random one
+        fixed = (64, 128, 64) if nq < 640 else (512, 128, 64)
+        br, bc = int(rng.choice([64, 128, 192])), int(rng.choice([64, 128]))
+        drawn = (int(rng.integers(0, nq // br)) * br, br, bc)
+        for i0, br, bc in (fixed, drawn):
+            i1 = min(i0 + br, nq)
+            args = (i0, i1, nk, bc, bool(rules.causal), int(rules.offset),
+                    int(rules.left), int(rules.right), kv_len)
+            lo, hi = masks.full_run(i0, i1, 0, -(-nk // bc) - 1, nk, bc,
+                                    rules, kv_len)
+            out.append(Case(f"{name} (rows {i0}..{i1 - 1}, {bc} keys a "
+                            "tile)", args, np.arange(lo, hi + 1)))
+    return out
+
+
+def full_tiles(i0, i1, nk, bc, causal, offset, left, right, kv_len):
+    """Chapter 12: the tiles of bc keys (tile t holds keys t bc..t bc +
+    bc - 1) whose every pair with query rows i0..i1-1 is allowed, as an
+    array of tile indices, from the bounds at once (no scan).
+
+    Key j is allowed for row i where j <= i + offset (causal), j >= i +
+    offset - left and j <= i + offset + right (a window side, where it
+    is >= 0) and j < kv_len. A whole tile is allowed for every row when
+    it is for the row that allows least on each side: its first key
+    against the last row's lower bound, its last key against the first
+    row's upper bounds; and a ragged last tile (past nk) is never full.
+    """
+    first = 0
+    if left >= 0:  # j0 >= (i1 - 1) + offset - left
+        first = max(first, i1 - 1 + offset - left)
+    last_key = min(nk, kv_len) - 1  # every key below nk and kv_len
+    if causal:
+        last_key = min(last_key, i0 + offset)
+    if right >= 0:
+        last_key = min(last_key, i0 + offset + right)
+    lo = -(-first // bc)  # the first tile starting at or after `first`
+    hi = (last_key + 1) // bc - 1  # the last tile ending by last_key
+    return np.arange(lo, max(hi, lo - 1) + 1)
+
+
+def _full_last_row_causal(i0, i1, nk, bc, causal, offset, left, right,
+                          kv_len):
+    return full_tiles(i1 - 1, i1, nk, bc, causal, offset, left, right,
+                      kv_len) if causal else full_tiles(
+        i0, i1, nk, bc, causal, offset, left, right, kv_len)
+
+
+def _full_ragged_counts(i0, i1, nk, bc, causal, offset, left, right,
+                        kv_len):
+    padded = -(-nk // bc) * bc  # the last tile as if it were whole
+    return full_tiles(i0, i1, padded, bc, causal, offset, left, right,
+                      kv_len if kv_len < nk else padded)
+
+
+def _full_window_first_row(i0, i1, nk, bc, causal, offset, left, right,
+                           kv_len):
+    return full_tiles(i0, i0 + 1, nk, bc, causal, offset, left, right,
+                      kv_len) if left >= 0 and not causal else full_tiles(
+        i0, i1, nk, bc, causal, offset, left, right, kv_len)
+
+
+register("full_tiles", Exercise(
+    12, "full_tiles(i0, i1, nk, bc, causal, offset, left, right, kv_len) "
+    "-> int array: the tiles of bc keys that need no mask for query rows "
+    "i0..i1-1 (the run forward v8 finds once a block), from the bounds "
+    "at once",
+    _cases_full_tiles, full_tiles,
+    (("under a causal mask the first row allows the fewest keys: test "
+      "the tile's last key against row i0, not i1 - 1",
+      _full_last_row_causal),
+     ("a ragged last tile reaches past nk: its missing keys are masked, "
+      "so it is never full", _full_ragged_counts),
+     ("a window's lower bound is tightest for the last row: the tile's "
+      "first key must reach i1 - 1 + offset - left",
+      _full_window_first_row))))
