@@ -111,9 +111,14 @@ def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
             FakeDeviceArray((1, 1, 1), np.uint8, 0x4B00))
     packed = kernel.pack(*args)
     packed.launch((1, 6), 384, 7)
-    assert ring.seen == ((0x1000, 0x2000, 0x3000, 6, 100, 3, 130, 64, 128),
-                         7)
+    dims = (6, 100, 64, 3, 130, 64, 3, 130, 128)  # (BH, N, d) of q, k, v
+    assert ring.seen == ((0x1000, 0x2000, 0x3000, dims), 7)
     assert packed.read(9, launch.DATA_FIELD) == 0x5000
+    # a later call's pointers (as a plan points them) make the key
+    packed.point(1, 0x2100)
+    packed.launch((1, 6), 384, 8)
+    assert ring.seen == ((0x1000, 0x2100, 0x3000, dims), 8)
+    assert packed.read(1, launch.DATA_FIELD) == 0x2100
 
 
 def test_backward_v8_is_registered_with_its_maps_derived():
@@ -238,3 +243,25 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
                        ] + [(0x5C00, 100, 6, 64, rows, 4)] * fused
     assert list(ring.words) == sum(([m] * 16 for m in range(1, 5 + fused)),
                                    [])
+
+
+def test_packed_launch_passes_each_grid_and_block_it_is_given(monkeypatch):
+    # a Packed keeps cuLaunchKernel's leading arguments per (grid, block,
+    # shared): each launch must still pass its own
+    from numba import float32
+
+    kernel = launch.DriverKernel("k", 0x99, (float32[::1],), None)
+    kernel.shared = 512
+    driver = FakeDriver()
+    monkeypatch.setattr(launch, "_cuda", lambda: driver)
+    packed = kernel.pack(FakeDeviceArray((8,), np.float32, 0x1000))
+    packed.launch((2, 3), 128, 5)
+    packed.launch((4,), (32, 2), 6, shared=0)
+    packed.launch([5, 6], [64, 1, 1], 7)
+    packed.launch((2, 3), 128, 8)
+    assert [c[:9] for c in driver.calls] == [
+        (0x99, 2, 3, 1, 128, 1, 1, 512, 5),
+        (0x99, 4, 1, 1, 32, 2, 1, 0, 6),
+        (0x99, 5, 6, 1, 64, 1, 1, 512, 7),
+        (0x99, 2, 3, 1, 128, 1, 1, 512, 8)]
+    assert all(c[10] is packed.extra for c in driver.calls)

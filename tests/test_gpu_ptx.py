@@ -163,6 +163,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         tma=text.count("cp.async.bulk.tensor"),
         e4m3_packs=text.count("cvt.rn.satfinite.e4m3x2.f32"),
+        poly=text.count("max.ftz.NaN.f32"),
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
         setmaxnreg=text.count("setmaxnreg"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
@@ -242,6 +243,26 @@ def test_v8_e4m3_packs_p_in_registers(v7_report):
     assert r["e4m3_packs"] == 2 * kp * 4 * 2, r
     assert all(x["e4m3_packs"] == 0 for key, x in v7_report.items()
                if "e4m3" not in key)
+
+
+def test_v8_takes_its_poly_share_of_exponentials_on_the_fma_pipe(
+        v7_report):
+    # each softmax in the text (two in v8: before the loop and in it)
+    # has Bc / 8 groups x 4 terms a lane; every POLY-th runs
+    # flashlab.exp2's sequence (one max.NaN each), the rest ex2.approx;
+    # no other kernel has the sequence
+    from flashlab.gpu import forward_v8
+
+    for key, r in v7_report.items():
+        version, kind, d, _ = key.split()
+        poly = forward_v8.POLY.get((kind, int(d)), 0)
+        if version != "v8" or not poly:
+            assert r["poly"] == 0, key
+            continue
+        terms = 2 * (forward_v8.BLOCK_K[int(d)] // 8) * 4
+        assert r["poly"] == terms // poly, (key, r)
+        # (and a few ex2 more: each row's alpha)
+        assert terms - terms // poly <= r["exp"] < terms, (key, r)
 
 
 def test_v8_copies_by_tma_and_moves_registers(v7_report):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from numba import cuda, float32, int32
 
-from flashlab import masks
+from flashlab import exp2, masks
 from flashlab.gpu import _Call, warp
 
 TILES = 16  # n-tiles of 8 keys: v8's 128-key tile
@@ -37,7 +37,7 @@ def _runs(blocks, out, bc, nk, rules, kv_len):
 
 @cuda.jit
 def _softmax(s, state, b, i0, i1, j0, nq, nk, rules, kv_len, mask, plain,
-             out_s, out_state):
+             poly, out_s, out_state):
     # one warp: lane 4 g + t holds rows i0 + g and i0 + g + 8 of S
     lane = cuda.threadIdx.x
     sf = cuda.local.array((TILES, 4), float32)
@@ -53,10 +53,10 @@ def _softmax(s, state, b, i0, i1, j0, nq, nk, rules, kv_len, mask, plain,
         seen[h] = int32(state[lane, 2, h])
     row = i0 + lane // 4
     if plain:
-        warp.plain_softmax(sf, m, l, al, seen, TILES, rules)
+        warp.plain_softmax(sf, m, l, al, seen, TILES, rules, poly)
     else:
         warp.tile_softmax(sf, m, l, al, seen, TILES, BC, b, row, i0, i1,
-                          j0, nq, nk, rules, kv_len, mask, kv_len[b])
+                          j0, nq, nk, rules, kv_len, mask, kv_len[b], poly)
     for n in range(TILES):
         for e in range(4):
             out_s[lane, n, e] = sf[n, e]
@@ -116,10 +116,13 @@ def test_full_run_is_the_tiles_whose_every_pair_is_allowed(rng, opts):
 @pytest.mark.gpu  # the softmax's shuffles and ex2: not on the simulator
 @pytest.mark.parametrize("scale", [None, -0.3])
 @pytest.mark.parametrize("fresh", [True, False])
-def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh):
+@pytest.mark.parametrize("poly", [0, 3])
+def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh,
+                                                        poly):
     # a tile wholly below a causal diagonal, as most of a long row's are;
     # from a fresh row (m = -inf) and from one with earlier tiles seen;
-    # tau <= 0 is scaled first (it reorders the scores)
+    # tau <= 0 is scaled first (it reorders the scores); with poly 3,
+    # every third term's exponential is flashlab.exp2's polynomial
     nq = nk = 512
     i0, j0 = 256, 128  # keys 128..255: every one below each row
     rules, kv_len, mask, _ = _rules(rng, nq, nk,
@@ -141,12 +144,14 @@ def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh):
         out_s = np.full((32, TILES, 4), np.nan, np.float32)  # poison
         out_state = np.full((32, 4, 2), np.nan, np.float32)
         _softmax[1, 32](s, state, 0, i0, i0 + 16, j0, nq, nk, rules,
-                        kv_len, mask, way, out_s, out_state)
+                        kv_len, mask, way, poly, out_s, out_state)
         got[way] = out_s, out_state
     for a, b in zip(got[True], got[False]):
         assert np.array_equal(a, b)
     # and both are the online softmax: P = exp(tau s - m_new), l_new =
-    # alpha l + row sum of P (over the row's four lanes), in float64
+    # alpha l + row sum of P (over the row's four lanes), in float64;
+    # ex2 errs by about 2 ulps, the polynomial by MAX_REL_ERROR
+    tol = 1e-5 if poly == 0 else exp2.MAX_REL_ERROR + 1e-5
     tau = rules.scale
     out_s, out_state = got[True]
     for g in range(8):
@@ -157,10 +162,10 @@ def test_plain_softmax_is_tile_softmax_on_a_plain_tile(rng, scale, fresh):
             m_new = max(m_old, row.max())
             p = np.exp(row - m_new)
             assert np.allclose(out_s[lanes, :, 2 * h:2 * h + 2], p,
-                               rtol=1e-5, atol=1e-7)
+                               rtol=tol, atol=1e-7)
             assert np.allclose(out_state[lanes, 0, h], m_new, rtol=1e-6)
             alpha = np.exp(m_old - m_new)
             l_new = alpha * state[lanes, 1, h].sum() + p.sum()
             assert np.isclose(out_state[lanes, 1, h].sum(), l_new,
-                              rtol=1e-5)
+                              rtol=tol)
             assert (out_state[lanes, 3, h] == 1).all()  # rows met a key

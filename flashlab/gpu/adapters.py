@@ -50,6 +50,24 @@ def torch_stream(tensor):
     return raw(tensor.device.index)
 
 
+def stream_reader(tensor):
+    """A function of no arguments giving torch_stream(tensor) for any
+    tensor on tensor's device: what a prepared call asks each time,
+    without the lookups (torch's raw accessor bound to the index)."""
+    import torch
+    from numba import config, cuda
+
+    device = tensor.device  # not the tensor: the reader outlives it
+    if config.ENABLE_CUDASIM:
+        return lambda: cuda.external_stream(
+            torch.cuda.current_stream(device).cuda_stream)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:  # a torch without the fast accessor
+        return lambda: torch.cuda.current_stream(device).cuda_stream
+    index = device.index
+    return lambda: raw(index)
+
+
 class TorchArrays:
     """torch CUDA tensors: views in place, outputs on the same device."""
 

@@ -140,7 +140,7 @@ def make(D, D_V, kind="bf16"):
                 load_tile16(k_at, k, bk, j0 + BC, BC, D, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
-                         nq, nk, rules, kv_len, mask, kv)  # S_ij -> P_ij
+                         nq, nk, rules, kv_len, mask, kv, 0)  # S_ij -> P
             rescale(of, al, NO)
             # O_i += P_ij V_j: P's C fragments are P V's A fragments
             for kp in range(NS // 2):

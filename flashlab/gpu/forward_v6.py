@@ -145,7 +145,7 @@ def make(D, D_V, precision="3xtf32"):
                 load_tile32(k_at, k, bk, j0 + BC, BC, D, SK, t)
                 cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1, j0,
-                         nq, nk, rules, kv_len, mask, kv)  # S_ij -> P_ij
+                         nq, nk, rules, kv_len, mask, kv, 0)  # S_ij -> P
             # registers -> SRAM: P_ij, (16, Bc) per warp, for its A operand
             for n in range(NS):
                 for x in range(4):

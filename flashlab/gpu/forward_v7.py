@@ -251,7 +251,7 @@ def make(D, D_V, kind="bf16"):
                      t)
             cp_async_commit()
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         first * BC, nq, nk, rules, kv_len, mask, kv)
+                         first * BC, nq, nk, rules, kv_len, mask, kv, 0)
             to_a(pf, sf)
         for jt in range(first + 1, last + 1):
             # stage of tile jt: (jt - first) % 2; of tile jt - 1: the other
@@ -272,7 +272,7 @@ def make(D, D_V, kind="bf16"):
             s_wait_one(sf)
             # the softmax of tile jt while P V of tile jt - 1 runs
             tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                         jt * BC, nq, nk, rules, kv_len, mask, kv)
+                         jt * BC, nq, nk, rules, kv_len, mask, kv, 0)
             o_wait(of, pf)
             rescale(of, al, NO)
             to_a(pf, sf)

@@ -83,6 +83,13 @@ Q_FULL, K_FULL, V_FULL, K_EMPTY, V_EMPTY = 0, 1, 3, 5, 7
 SWIZZLE_BYTES = 128  # a TMA box's row: the 128-byte swizzle's width
 PANEL = SWIZZLE_BYTES // 2  # its columns of 16-bit values
 BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
+# every POLY-th of a lane's terms takes its exponential on the FMA pipe
+# (flashlab.exp2, warp.online_softmax), by (kind, max(d, d_v)); none
+# elsewhere. e4m3's products take half of bf16's time, so a tile's
+# exponentials are its longest wait: a quarter on the FMA pipe made it
+# 3% faster at N = 16K on the H200 (four runs each); half, and bf16 at
+# d = 64 (whose FMA pipe is the busier), slower (hopper_trials_h200)
+POLY = {("e4m3", 128): 4}
 E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
 
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)
@@ -154,6 +161,7 @@ def make(D, D_V, kind="bf16"):
     # three warpgroups' 160 registers hold S, P and O but not a mask's or
     # dropout's work beside them: such tiles wait for P V first
     TIGHT = groups(D, D_V) == 3
+    poly = POLY.get((kind, max(D, D_V)), 0)
     release = tma.release_registers[keep]  # the producer's setmaxnreg
     take = tma.take_registers[grow]  # and the consumers'
     KD, KP = D // K_STEP[kind], BC // K_STEP[kind]  # k-steps of S, P V
@@ -282,11 +290,12 @@ def make(D, D_V, kind="bf16"):
             tma.arrive(bars + uint32(8 * K_EMPTY))
             if TIGHT:
                 tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                             first * BC, nq, nk, rules, kv_len, mask, kv)
+                             first * BC, nq, nk, rules, kv_len, mask, kv,
+                             poly)
             else:
                 known_softmax(sf, m, l, al, seen, NS, b, row, first * BC,
                               nq, nk, rules, kv_len, mask,
-                              full_lo <= int32(first) <= full_hi)
+                              full_lo <= int32(first) <= full_hi, poly)
             to_a(pf, sf)
         for jt in range(first + 1, last + 1):
             # stage and phase by bits: n // 2 % 2 of a signed n costs a
@@ -304,15 +313,16 @@ def make(D, D_V, kind="bf16"):
             if not TIGHT:
                 known_softmax(sf, m, l, al, seen, NS, b, row, jt * BC, nq,
                               nk, rules, kv_len, mask,
-                              full_lo <= int32(jt) <= full_hi)
+                              full_lo <= int32(jt) <= full_hi, poly)
                 o_wait(of, pf)
             elif full_lo <= int32(jt) <= full_hi and not rules.use_dropout:
-                plain_softmax(sf, m, l, al, seen, NS, rules)
+                plain_softmax(sf, m, l, al, seen, NS, rules, poly)
                 o_wait(of, pf)
             else:  # a mask or dropout needs registers that P holds:
                 o_wait(of, pf)  # P V first (a few tiles of a causal row)
                 tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
-                             jt * BC, nq, nk, rules, kv_len, mask, kv)
+                             jt * BC, nq, nk, rules, kv_len, mask, kv,
+                             poly)
             tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
             rescale(of, al, NO)
             to_a(pf, sf)
@@ -474,19 +484,24 @@ def _maps_for(packed, stream, eight=False):
     `packed` (arguments 0, 1, 2; v as V^T where `eight`)."""
     from flashlab.gpu.launch import DATA_FIELD
 
-    offset = packed.kernel.layout.offset
-    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, n1, n2) = (
-        _FIELDS.unpack_from(packed.buffer, offset(arg, DATA_FIELD))
-        for arg in range(3))
+    dims = packed.memo.get("v8 dims")  # fixed for a packed buffer
+    if dims is None:
+        offset = packed.kernel.layout.offset
+        dims = packed.memo["v8 dims"] = tuple(
+            x for arg in range(3) for x in _FIELDS.unpack_from(
+                packed.buffer, offset(arg, DATA_FIELD))[1:])
+    q_at, k_at, v_at = (packed.pointer(0), packed.pointer(1),
+                        packed.pointer(2))
     if not _SLOTS:
         _SLOTS.append(_Slots())
+    bh, nq, d, bh_kv, nk, _, _, n1, n2 = dims
     if eight:  # V^T: (bh_kv, d_v, keys)
         return _SLOTS[0].address(
-            (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n1, n2, 1),
+            (q_at, k_at, v_at, dims, 1),
             lambda: tensor_maps_e4m3(q_at, k_at, v_at, bh, nq, bh_kv, nk,
                                      d, n1, n2), stream)
     return _SLOTS[0].address(
-        (q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n2),
+        (q_at, k_at, v_at, dims),
         lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n2),
         stream)
 

@@ -13,6 +13,7 @@ names. See chapters 9 to 11.
 
 import math
 import numbers
+import sys
 
 import numpy as np
 from numba import config
@@ -36,6 +37,7 @@ from flashlab.gpu.adapters import (
     HALF_BITS,
     dtype_name,
     is_torch,
+    stream_reader,
     torch_stream,
 )
 from flashlab.gpu.build import kernel
@@ -61,9 +63,7 @@ ORDERS = ("fa2",)  # the loop order the forward kernels run
 def _poisoned():
     """Whether tests asked for outputs filled with NaN before a kernel
     runs (flashlab.gpu.POISON_OUTPUTS, which they set on the package)."""
-    from flashlab import gpu
-
-    return gpu.POISON_OUTPUTS
+    return sys.modules["flashlab.gpu"].POISON_OUTPUTS  # imported: we are
 
 
 def tile_shape(version, d, d_v):
@@ -727,11 +727,12 @@ def _fast_key(q, k, v, choice, options, saved=()):
             or options["kv_lengths"] is not None or not is_torch(q)):
         return None
     where = q.get_device()  # the CUDA index (-1 off a GPU)
+    tensor = type(q)  # others of another class take the general path
     shapes, dtypes = [], []
     for x in (q, k, v, *saved):
-        if not is_torch(x):
+        if type(x) is not tensor:
             return None
-        shape = tuple(x.shape)
+        shape = x.shape  # a torch.Size: a tuple, hashed as one
         if (0 in shape or x.get_device() != where
                 or (x.is_contiguous() and x.data_ptr() % 16)):
             return None
@@ -787,6 +788,9 @@ class _ForwardPlan:
         self.grid = (math.ceil(call.nq / br), call.bh)
         self.find_grid = self.bad_shape[1::-1]  # (chunks, BH_kv)
         self.rules, self.constants = call.args[0], call.args[1:]
+        # read once: each reading of q.device makes a new object
+        self.device, self.dtype = q.device, q.dtype
+        self.stream_of = stream_reader(q)
         o, lse, bad = self._outputs(q)
         v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
         self.find = kernel(find_bad_name(dtype), 0, 0).pack(
@@ -810,20 +814,20 @@ class _ForwardPlan:
         on q's device."""
         import torch
 
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=q.device)
+        o = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32,
-                          device=q.device)
+                          device=self.device)
         if _poisoned():
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
         bad = torch.empty(self.bad_shape, dtype=torch.uint8,
-                          device=q.device)
+                          device=self.device)
         return o, lse, bad
 
     def __call__(self, q, k, v, seed):
         q, k, v = _dense(q, k, v)
         o, lse, bad = self._outputs(q)
-        stream = torch_stream(q)
+        stream = self.stream_of()
         self.find.point(0, v.data_ptr())
         self.find.point(1, bad.data_ptr())
         self.find.launch(self.find_grid, device.FIND_THREADS, stream)

@@ -28,6 +28,7 @@ from flashlab.gpu.device import (
 from flashlab.gpu.intrinsics import (
     cp_async16,
     ex2,
+    ex2_poly,
     global_address,
     opaque,
     unpack_bf16x2,
@@ -312,7 +313,7 @@ CHAINS = 8  # independent partial maxima and sums of a row's terms
 
 
 @inline
-def online_softmax(sf, m, l, al, tiles, rules):
+def online_softmax(sf, m, l, al, tiles, rules, poly):
     """S fragments (S, or tau S where tau <= 0) -> P in place; m, l,
     alpha per half.
 
@@ -323,6 +324,9 @@ def online_softmax(sf, m, l, al, tiles, rules):
     what happens beyond it). The maximum and the sum run as CHAINS
     independent chains, merged at the end: one long chain would make
     every step wait for the one before. Dropout is `drop`'s, after it.
+    Where poly > 0, every poly-th of a lane's terms in a row takes its
+    exponential on the FMA pipe (ex2_poly), the others on the
+    special-function unit: poly is a constant, so each compiles to one.
     """
     # tau > 0 keeps the order of scores, so the maximum of raw scores
     # gives the scaled one; otherwise tile_softmax has scaled them
@@ -353,7 +357,10 @@ def online_softmax(sf, m, l, al, tiles, rules):
             part[c] = F0
         for n in range(tiles):
             for e in range(2):
-                p = ex2(sf[n, 2 * h + e] * per_h - shift2)
+                x = sf[n, 2 * h + e] * per_h - shift2
+                k = 2 * n + e  # the term's place in the lane's row
+                p = (ex2_poly(x) if poly > 0 and k % poly == poly - 1
+                     else ex2(x))
                 c = (2 * n + e) % CHAINS
                 part[c] += p
                 sf[n, 2 * h + e] = p
@@ -392,36 +399,37 @@ def rescale(of, al, tiles):
 
 @inline
 def tile_softmax(sf, m, l, al, seen, tiles, bc, b, row, i0, i1, j0, nq, nk,
-                 rules, kv_len, mask, kv):
+                 rules, kv_len, mask, kv, poly):
     """One K/V tile's S fragments -> P, for every tensor-core forward.
 
     Pairs are masked (score -inf) only in tiles that are not wholly
     allowed, `seen` notes the rows that met an allowed key, and the
     online softmax scales the scores by tau, updates m, l and alpha (al)
     and leaves P in sf. kv is kv_len[b], read once by the caller: a load
-    here would sit between each S and its softmax.
+    here would sit between each S and its softmax. poly: see
+    online_softmax (0 in all but v8).
     """
     scale_first(sf, tiles, rules)
     full = not rules.use_mask and j0 + bc <= nk and tile_full(
         i0, i1, j0, j0 + bc, rules, kv)
     scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
-                   kv_len, mask, full)
+                   kv_len, mask, full, poly)
 
 
 @inline
 def known_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
-                  kv_len, mask, full):
+                  kv_len, mask, full, poly):
     """tile_softmax of a tile the caller knows to be full (every pair
     allowed, no mask array) or not: v8 finds its run of full tiles once
     a block (`full_run`), not once a tile."""
     scale_first(sf, tiles, rules)
     scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
-                   kv_len, mask, full)
+                   kv_len, mask, full, poly)
 
 
 @inline
 def scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
-                   kv_len, mask, full):
+                   kv_len, mask, full, poly):
     """known_softmax after scale_first: the mask where the tile is not
     full, then the online softmax and dropout."""
     bits = int64(-1)  # every pair of a full tile is allowed
@@ -429,7 +437,7 @@ def scaled_softmax(sf, m, l, al, seen, tiles, b, row, j0, nq, nk, rules,
         bits = mask_scores(sf, b, row, j0, nq, nk, rules, kv_len, mask,
                            tiles)
     note_allowed(seen, bits, tiles)
-    online_softmax(sf, m, l, al, tiles, rules)
+    online_softmax(sf, m, l, al, tiles, rules, poly)
     drop(sf, b, row, j0, rules, tiles)
 
 
@@ -444,12 +452,12 @@ def scale_first(sf, tiles, rules):
 
 
 @inline
-def plain_softmax(sf, m, l, al, seen, tiles, rules):
+def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
     """tile_softmax of a full tile (`full_run`) without dropout: no mask,
     so none of its registers (v8 runs it while P V holds its operands)."""
     scale_first(sf, tiles, rules)
     note_allowed(seen, int64(-1), tiles)
-    online_softmax(sf, m, l, al, tiles, rules)
+    online_softmax(sf, m, l, al, tiles, rules, poly)
 
 
 DOT_ROWS = THREADS // 32  # rows of a row_dot16 block: a warp each
