@@ -248,9 +248,9 @@ def test_v8_e4m3_packs_p_in_registers(v7_report):
 def test_v8_takes_its_poly_share_of_exponentials_on_the_fma_pipe(
         v7_report):
     # each softmax in the text (two in v8: before the loop and in it)
-    # has Bc / 8 groups x 4 terms a lane; every POLY-th runs
-    # flashlab.exp2's sequence (one max.NaN each), the rest ex2.approx;
-    # no other kernel has the sequence
+    # has Bc / 8 groups x 4 terms a lane, two rows; every POLY-th of a
+    # row's runs flashlab.exp2's sequence (one max.NaN each), the rest
+    # ex2.approx; no other kernel has the sequence
     from flashlab.gpu import forward_v8
 
     for key, r in v7_report.items():
@@ -259,10 +259,12 @@ def test_v8_takes_its_poly_share_of_exponentials_on_the_fma_pipe(
         if version != "v8" or not poly:
             assert r["poly"] == 0, key
             continue
-        terms = 2 * (forward_v8.BLOCK_K[int(d)] // 8) * 4
-        assert r["poly"] == terms // poly, (key, r)
+        # a lane's terms of one row: k = 0 .. 2 Bc / 8 - 1
+        row = 2 * (forward_v8.BLOCK_K[int(d)] // 8)
+        terms = 2 * 2 * row  # two softmaxes, two rows each
+        assert r["poly"] == 2 * 2 * (row // poly), (key, r)
         # (and a few ex2 more: each row's alpha)
-        assert terms - terms // poly <= r["exp"] < terms, (key, r)
+        assert terms - r["poly"] <= r["exp"] < terms, (key, r)
 
 
 def test_v8_copies_by_tma_and_moves_registers(v7_report):

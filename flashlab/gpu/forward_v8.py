@@ -86,10 +86,10 @@ BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
 # every POLY-th of a lane's terms takes its exponential on the FMA pipe
 # (flashlab.exp2, warp.online_softmax), by (kind, max(d, d_v)); none
 # elsewhere. e4m3's products take half of bf16's time, so a tile's
-# exponentials are its longest wait: a quarter on the FMA pipe made it
-# 3% faster at N = 16K on the H200 (four runs each); half, and bf16 at
-# d = 64 (whose FMA pipe is the busier), slower (hopper_trials_h200)
-POLY = {("e4m3", 128): 4}
+# exponentials are its longest wait: every sixth on the FMA pipe made it
+# 6% faster at N = 16K on the H200 (every 3rd, 4th, 8th, 12th: less);
+# at bf16, d = 64, whose FMA pipe is the busier, slower (chapter 12)
+POLY = {("e4m3", 128): 6}
 E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
 
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)

@@ -38,7 +38,6 @@ from flashlab.gpu.adapters import (
     dtype_name,
     is_torch,
     stream_reader,
-    torch_stream,
 )
 from flashlab.gpu.build import kernel
 
@@ -856,6 +855,8 @@ class _BackwardPlan:
         d, d_v = q.shape[-1], v.shape[-1]
         self.call, self.d, self.d_v = call, d, d_v
         self.rules = call.args[0]
+        # read once: each reading of q.device makes a new object
+        self.device, self.stream_of = q.device, stream_reader(q)
         kind = "bf16" if dtype == "bfloat16" else "f16"
         bh, nq, nk = call.bh, call.nq, call.nk
         import torch
@@ -912,14 +913,14 @@ class _BackwardPlan:
         import torch
 
         return torch.empty(self.rows[:2], dtype=torch.float32,
-                           device=q.device)
+                           device=self.device)
 
     def _stats(self, q):
         """Room for the rows' shifts and norms, float32 (2 BH, Nq)."""
         import torch
 
         return torch.empty((2 * self.rows[0], self.rows[1]),
-                           dtype=torch.float32, device=q.device)
+                           dtype=torch.float32, device=self.device)
 
     def _grads(self, q):
         """Fresh dq, dk, dv as the kernels write them (`grads16`); dq
@@ -928,8 +929,8 @@ class _BackwardPlan:
 
         # the fused kernel's dQ is an accumulator: zeros, never poisoned
         grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
-                             device=q.device)] if self.fused else []
-        empty = [torch.empty(s, dtype=self.grad_dtype, device=q.device)
+                             device=self.device)] if self.fused else []
+        empty = [torch.empty(s, dtype=self.grad_dtype, device=self.device)
                  for s in self.shapes[len(grads):]]
         if _poisoned():
             for g in empty:
@@ -940,7 +941,7 @@ class _BackwardPlan:
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         delta = self._delta(q)
         dq, dk, dv = self._grads(q)
-        stream = torch_stream(q)
+        stream = self.stream_of()
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
