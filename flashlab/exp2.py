@@ -36,6 +36,23 @@ LOWEST = np.float32(-127)  # t is raised to this: 2**-127 is 0 here
 MAGIC = np.float32(1.5 * 2**23)
 
 
+# an H100 / H200 SM's rates a clock: exponentials on the special-function
+# unit, fused multiply-adds on the FMA pipe, and the tensor cores' dense
+# multiply-adds by input kind (989 TFLOP/s of bf16 over 132 SMs at
+# 1.83 GHz is 2048; e4m3 twice that)
+SFU_PER_CLOCK = 16
+FMA_PER_CLOCK = 128
+TENSOR_PER_CLOCK = {"bf16": 2048, "f16": 2048, "e4m3": 4096}
+
+
+def tile_cycles(d, kind="bf16", rows=64, keys=128):
+    """SM clocks one warpgroup's tile (rows x keys, head dim d) needs of
+    each unit: {"products": S = Q K^T and O += P V on the tensor cores,
+    "exponentials": its rows x keys ex2 on the special-function unit}."""
+    return {"products": 2 * rows * keys * d / TENSOR_PER_CLOCK[kind],
+            "exponentials": rows * keys / SFU_PER_CLOCK}
+
+
 def fit(degree=DEGREE, nodes=4000, rounds=2000):
     """(c1..c_degree, largest relative error) of the polynomial 1 + c1 f
     + ... + c_degree f**degree closest to 2**f on [0, 1) in relative

@@ -71,6 +71,17 @@ def test_floor_by_the_rounded_magic_sum():
         assert np.float32(low - exp2.MAGIC) == j
 
 
+def test_tile_cycles_balance_where_the_fma_pipe_helps():
+    # per warpgroup tile of 64 x 128: bf16 at d = 128 needs the tensor
+    # cores twice as long as the exponentials; bf16 at d = 64 and e4m3
+    # at d = 128 need both equally (where v8 moves exponentials)
+    big, small = exp2.tile_cycles(128), exp2.tile_cycles(64)
+    eight = exp2.tile_cycles(128, "e4m3")
+    assert big["products"] == 2 * big["exponentials"] == 1024
+    assert small["products"] == small["exponentials"] == 512
+    assert eight == small
+
+
 @cuda.jit
 def _both(x, poly, fast):
     i = cuda.grid(1)

@@ -203,7 +203,8 @@ def _f32(x):
 
 
 _C1, _C2, _C3 = (_f32(c) for c in exp2.COEFFS)
-_EX2_POLY = " ".join((
+# ex2_poly's PTX: flashlab.exp2.model's steps, one instruction each
+EX2_POLY = " ".join((
     "{ .reg .f32 t, j, f, p; .reg .b32 e;",
     f"max.ftz.NaN.f32 t, $1, {_f32(exp2.LOWEST)};",
     f"add.rm.ftz.f32 j, t, {_f32(exp2.MAGIC)};",  # MAGIC + floor(t)
@@ -226,7 +227,7 @@ def ex2_poly(typingctx, x):
     sig = types.float32(types.float32)
 
     def codegen(context, builder, signature, args):
-        return _asm(builder, _EX2_POLY, "=f,f", _F32, [args[0]])
+        return _asm(builder, EX2_POLY, "=f,f", _F32, [args[0]])
 
     return sig, codegen
 
