@@ -150,3 +150,23 @@ def test_torch_round_trip_in_place_and_aligned(dtype):
     back = arrays.result(out, (2, 3, 33, 64))
     assert tuple(back.shape) == (2, 3, 33, 64) and back.is_contiguous()
     assert back.data_ptr() == out.data_ptr()  # in place
+
+
+def test_a_stream_reader_keeps_no_tensor_alive():
+    # a plan keeps its reader as long as it lives: holding the first
+    # call's tensor would keep its memory too
+    import gc
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    device = "cuda" if torch.cuda.is_available() and not SIMULATOR \
+        else "cpu"
+    x = torch.zeros(4, device=device)
+    gone = weakref.ref(x)
+    reader = adapters.stream_reader(x)
+    if device == "cuda":  # torch's stream, as a raw handle
+        assert reader() == adapters.torch_stream(x)
+    del x
+    gc.collect()
+    assert gone() is None
+    assert callable(reader)
