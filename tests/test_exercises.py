@@ -231,6 +231,20 @@ def test_chapter12_full_tiles_is_the_run_forward_v8_finds(rng):
             nq, nk, causal, window, kv_len, bc, i0, i1)
 
 
+def test_chapter12_exp2_cubic_is_the_kernels_model_in_float64(rng):
+    # the worked answer (float64) against flashlab.exp2.model, the
+    # float32 steps the kernel's PTX runs: apart by float32's rounding
+    from flashlab import exp2
+
+    t = np.concatenate([rng.uniform(-126, 0, 5000), [-np.inf, np.nan]])
+    t32 = t.astype(np.float32)
+    got = exercises.solution("exp2_cubic")(t32.astype(np.float64))
+    want = exp2.model(t32).astype(np.float64)
+    assert np.allclose(got, want, rtol=4 * 2.0**-23, atol=0,
+                       equal_nan=True)
+    assert got[-2] == 0 and np.isnan(got[-1])
+
+
 def test_chapter12_parities_are_the_ones_forward_v8_waits_on():
     # the worked answer against the kernel's own waits, read from its
     # source: consumers on K full of tile n, the producer on K empty

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flashlab import fragments, masks
+from flashlab import exp2, fragments, masks
 from flashlab.exercises.checker import Case, Exercise, register
 
 # ---------------------------------------------------------- descriptor
@@ -823,3 +823,72 @@ register("full_tiles", Exercise(
      ("a window's lower bound is tightest for the last row: the tile's "
       "first key must reach i1 - 1 + offset - left",
       _full_window_first_row))))
+
+# ---------------------------------------------------------- exp2_cubic
+
+
+def _cases_exp2_cubic(rng):
+    whole = rng.integers(-126, 1, 200).astype(np.float64)
+    return [Case(name, (t,), exp2_cubic(t)) for name, t in (
+        ("a grid over [-126, 0]", np.linspace(-126, 0, 1001)),
+        ("just either side of integers",
+         whole + rng.uniform(-1e-6, 1e-6, whole.size)),
+        ("scores of a softmax row, shifted by its maximum",
+         -np.abs(rng.standard_normal(300)) * 8),
+        ("masked, non-finite and tiny",
+         np.array([-np.inf, np.nan, 0.0, -0.0, -126.0, -126.5, -127.0,
+                   -1000.0, -1e-12])))]
+
+
+def exp2_cubic(t):
+    """Chapter 12: 2**t by flashlab.exp2's steps, in float64: t raised to
+    -127 (NaN stays NaN), j = floor(t), f = t - j in [0, 1), 2**f by the
+    cubic 1 + f (c1 + f (c2 + f c3)) with exp2.COEFFS, times 2**j, where
+    2**-127 counts as 0 (its float32 bits are 0).
+    """
+    t = np.maximum(t, -127.0)  # a masked score (-inf) weighs 0; NaN stays
+    j = np.floor(t)
+    f = t - j
+    c1, c2, c3 = (float(c) for c in exp2.COEFFS)
+    p = 1 + f * (c1 + f * (c2 + f * c3))  # Horner: highest power inside
+    return np.where(j <= -127, 0.0, p * np.exp2(j))
+
+
+def _cubic_unclamped(t):
+    j = np.floor(t)
+    f = t - j
+    c1, c2, c3 = (float(c) for c in exp2.COEFFS)
+    return (1 + f * (c1 + f * (c2 + f * c3))) * np.exp2(j)
+
+
+def _cubic_rounded(t):
+    t = np.maximum(t, -127.0)
+    j = np.round(t)
+    f = t - j
+    c1, c2, c3 = (float(c) for c in exp2.COEFFS)
+    return np.where(j <= -127, 0.0, (1 + f * (c1 + f * (c2 + f * c3)))
+                    * np.exp2(j))
+
+
+def _cubic_reversed(t):
+    t = np.maximum(t, -127.0)
+    j = np.floor(t)
+    f = t - j
+    c1, c2, c3 = (float(c) for c in exp2.COEFFS)
+    return np.where(j <= -127, 0.0, (1 + f * (c3 + f * (c2 + f * c1)))
+                    * np.exp2(j))
+
+
+register("exp2_cubic", Exercise(
+    12, "exp2_cubic(t (n,) float64) -> (n,) float64: 2**t as v8's e4m3 "
+    "kernel computes part of its exponentials, by flashlab.exp2's steps "
+    "(its COEFFS c1, c2, c3), in float64",
+    _cases_exp2_cubic, exp2_cubic,
+    (("raise t to -127 before the floor: floor(-inf) is -inf, and -inf - "
+      "(-inf) is NaN, where a masked score must weigh 0",
+      _cubic_unclamped),
+     ("j is the floor of t, so that f lies in [0, 1), where the cubic "
+      "was fit; rounding to nearest puts f in [-1/2, 1/2)",
+      _cubic_rounded),
+     ("Horner's rule nests the highest power innermost: 1 + f (c1 + f "
+      "(c2 + f c3)), c1 the linear term", _cubic_reversed))))
