@@ -92,6 +92,28 @@ def test_full_run_is_every_full_tile_and_only_those(nq, nk, causal, window,
                 assert list(range(lo, hi + 1)) == want
 
 
+@settings(max_examples=300, deadline=None)
+@given(nq=st.integers(1, 60), nk=st.integers(1, 60),
+       causal=st.sampled_from([False, True, "bottom_right"]),
+       window=windows, kv=st.integers(0, 60), bq=st.integers(1, 20),
+       bk=st.integers(1, 20))
+def test_tile_range_is_the_run_tile_skipped_leaves(nq, nk, causal, window,
+                                                   kv, bq, bk):
+    # the kernels find a block's tiles in closed form: the same tiles as
+    # asking tile_skipped of each, and the same empty answer
+    rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+    kv = min(kv, nk)
+    n_tiles = -(-nk // bk)
+    for i0 in range(0, nq, bq):
+        i1 = min(i0 + bq, nq)
+        first, last = masks.tile_range(i0, i1, nk, bk, rules, kv)
+        want = [t for t in range(n_tiles) if not masks.tile_skipped(
+            i0, i1, t * bk, min(t * bk + bk, nk), rules, kv)]
+        assert list(range(first, last + 1)) == want
+        if not want:
+            assert (first, last) == (n_tiles, n_tiles - 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), nq=st.integers(1, 30), nk=st.integers(1, 30),
        density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),

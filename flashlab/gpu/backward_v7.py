@@ -69,6 +69,7 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     allowed_bits_of,
+    block_place,
     dropped_bits,
     dropped_bits_of,
     mask_scores,
@@ -165,10 +166,15 @@ def make_dq(D, D_V, kind="bf16"):
         dl = cuda.local.array(2, float32)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
-        b = cuda.blockIdx.y
+        # rank 0, the last query block, starts first: under a causal mask
+        # the last blocks visit the most tiles; the grid says how many
+        # heads start together (flashlab.order)
+        b, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
+                              cuda.blockIdx.z, cuda.gridDim.x)
+        if b >= q.shape[0]:
+            return
         bk = b // rules.group  # the K/V head of query head b
-        # the last query blocks first: causal, they visit the most tiles
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
+        i0 = (cuda.gridDim.y - 1 - rank) * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)
@@ -370,9 +376,14 @@ def _make_keys(D, D_V, kind, with_dq):
         gq = cuda.local.array((8, 4), float32)  # 64 x 64 of dS K (fused)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
-        bk = cuda.blockIdx.y  # the K/V head
+        # rank 0, the first key block, starts first: under a causal mask
+        # every query visits it (flashlab.order); bk is the K/V head
+        bk, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
+                               cuda.blockIdx.z, cuda.gridDim.x)
+        if bk >= k.shape[0]:
+            return
         b0 = bk * rules.group  # the first query head of its group
-        j0 = cuda.blockIdx.x * BK
+        j0 = rank * BK
         nq, nk = q.shape[1], k.shape[1]
         j1 = min(j0 + BK, nk)
         key = j0 + 16 * w + lane // 4  # this lane's first key (g)

@@ -56,6 +56,7 @@ from flashlab.gpu.backward_v7 import (
 from flashlab.gpu.device import F0, inline
 from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
 from flashlab.gpu.intrinsics import bar_sync, global_address, shared_address
+from flashlab.gpu.warp import block_place
 from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
 __all__ = ["CC", "HEAD_DIMS", "make_dkv", "make_fused", "shared_bytes",
@@ -272,9 +273,14 @@ def _make(D, D_V, kind, with_dq):
         where = cuda.shared.array((2, 2), int32)
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
-        bk = cuda.blockIdx.y  # the K/V head
+        # rank 0, the first key block, starts first: under a causal mask
+        # every query visits it (flashlab.order); bk is the K/V head
+        bk, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
+                               cuda.blockIdx.z, cuda.gridDim.x)
+        if bk >= k.shape[0]:
+            return
         b0 = bk * rules.group  # the first query head of its group
-        j0 = cuda.blockIdx.x * BK
+        j0 = rank * BK
         nq, nk = q.shape[1], k.shape[1]
         j1 = min(j0 + BK, nk)
         nt = (nq + BQ - 1) // BQ

@@ -43,6 +43,7 @@ from flashlab.gpu.intrinsics import (
 )
 from flashlab.gpu.warp import (
     a_from_c,
+    block_place,
     make_store_rows16,
     rescale,
     tile_range,
@@ -207,11 +208,15 @@ def make(D, D_V, kind="bf16"):
         seen = cuda.local.array(2, int32)  # met an allowed key yet
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
-        b = cuda.blockIdx.y
+        # rank 0, the last query block, starts first: under a causal mask
+        # the last blocks visit the most tiles; the grid says how many
+        # heads start together (flashlab.order)
+        b, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
+                              cuda.blockIdx.z, cuda.gridDim.x)
+        if b >= q.shape[0]:
+            return
         bk = b // rules.group  # the K/V head of query head b
-        # the last query blocks first: under a causal mask they visit the
-        # most tiles, and started early they do not leave a ragged tail
-        i0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BR
+        i0 = (cuda.gridDim.y - 1 - rank) * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         row = i0 + 16 * w + lane // 4  # this lane's first row (g)

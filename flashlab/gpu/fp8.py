@@ -142,7 +142,8 @@ class _Plan:
         self.threads = tr.threads
         self.transpose_threads = traits.traits("transpose_keys8", 0,
                                                0).threads
-        self.grid = (math.ceil(call.nq / tr.br), call.bh)
+        self.grid = host.launch_grid(tr, call.nq, call.nk, call.bh,
+                                     call.args[0])
         self.shapes = ((call.bh, call.nq, d), (call.bh_kv, call.nk, d),
                        (call.bh_kv, call.nk, d_v))
         self.keys = max(1, -(-call.nk // 32)) * 32  # V^T's columns

@@ -19,6 +19,7 @@ import numpy as np
 from numba import config
 
 from flashlab import kernel_args, tiled
+from flashlab import order as block_order  # `order` names a loop order
 from flashlab._validate import check_flag
 from flashlab.gpu import (
     _numpy_compat,  # noqa: F401  (before any kernel)
@@ -150,8 +151,8 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                 arrays[3] = _pairs(o_k)  # 16-bit pairs
             arrays.append(call.bad_parts(vk, dtype))
         kernel(name, d, d_v)[
-            (math.ceil(call.nq / br), call.bh), threads, call.stream](
-            *arrays, *call.args)
+            launch_grid(tr, call.nq, call.nk, call.bh, call.args[0]), threads,
+            call.stream](*arrays, *call.args)
         if version not in TENSOR_CORE_VERSIONS:
             call.finish(o_k, lse_k, vk)
     o = call.result(o, (*call.heads, call.nq, d_v))
@@ -176,6 +177,20 @@ def choose_splits(nq, nk, bh, d, d_v, sms=None):
     tiles = math.ceil(nk / bc)
     want = math.ceil(sms * forward_v3.BLOCKS_PER_SM / max(blocks, 1))
     return max(1, min(want, tiles // 4))
+
+
+def launch_grid(tr, nq, nk, heads, rules, keys=False):
+    """tr.grid of `heads` elements of nq queries and nk keys, its own
+    rows the queries (or with keys=True the keys); for a placed kernel,
+    as many heads started together as flashlab.order's model of this
+    GPU chooses for the blocks' tiles under these rules (KernelRules)."""
+    together = 1
+    if tr.placed:
+        bq, bk = (tr.bc, tr.br) if keys else (tr.br, tr.bc)
+        tiles = block_order.block_tiles(nq, nk, bq, bk, rules, keys=keys)
+        slots = _multiprocessors() * tr.blocks_per_sm
+        together = block_order.together(tiles, heads, slots)
+    return tr.grid(nk if keys else nq, heads, together)
 
 
 def _multiprocessors():
@@ -422,11 +437,12 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
         dv, dv_k = call.empty((bh, nk, d_v))
     if bh and nq and nk:
         dq_tr = traits.traits(names[1], d, d_v)
+        rules = call.args[0]
         kernel(keys_tr.name, d, d_v)[
-            (math.ceil(nk / keys_tr.br), bh_k), keys_tr.threads,
-            call.stream](*arrays, dk_k, dv_k, *call.args)
+            launch_grid(keys_tr, nq, nk, bh_k, rules, keys=True),
+            keys_tr.threads, call.stream](*arrays, dk_k, dv_k, *call.args)
         kernel(dq_tr.name, d, d_v)[
-            (math.ceil(nq / dq_tr.br), bh), dq_tr.threads,
+            launch_grid(dq_tr, nq, nk, bh, rules), dq_tr.threads,
             call.stream](*arrays, dq_k, *call.args)
     if bh_k != call.bh_kv:
         dk, dv = call.group_sum(dk), call.group_sum(dv)
@@ -447,8 +463,10 @@ def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
     dq32 = call.arrays.zeros((bh, nq, d))
     if bh and nq and nk:
         kernel(keys_tr.name, d, d_v)[
-            (math.ceil(nk / keys_tr.br), call.bh_kv), keys_tr.threads,
-            call.stream](*arrays, dk_k, dv_k, dq32, *call.args)
+            launch_grid(keys_tr, nq, nk, call.bh_kv, call.args[0],
+                        keys=True),
+            keys_tr.threads, call.stream](*arrays, dk_k, dv_k, dq32,
+                                          *call.args)
     dq32 = call.result(dq32, (*call.heads, nq, d))
     return (call.arrays.narrow(dq32, q),
             call.result(dk, (*k.shape[:-2], nk, d)),
@@ -784,7 +802,7 @@ class _ForwardPlan:
         self.o_shape = (*call.heads, call.nq, d_v)
         self.lse_shape = (*call.heads, call.nq)
         self.bad_shape = device.bad_parts_shape(call.bh_kv, call.nk, d_v)
-        self.grid = (math.ceil(call.nq / br), call.bh)
+        self.grid = launch_grid(tr, call.nq, call.nk, call.bh, call.args[0])
         self.find_grid = self.bad_shape[1::-1]  # (chunks, BH_kv)
         self.rules, self.constants = call.args[0], call.args[1:]
         # read once: each reading of q.device makes a new object
@@ -868,8 +886,9 @@ class _BackwardPlan:
         self.grads16 = registry.get(names[0]).grads16
         bh_k = call.bh_kv if self.grads16 else bh
         self.grad_dtype = q.dtype if self.grads16 else torch.float32
-        self.grids = ((math.ceil(nk / dkv_tr.br), bh_k),
-                      (math.ceil(nq / dq_tr.br), bh))
+        self.grids = (launch_grid(dkv_tr, nq, nk, bh_k, call.args[0],
+                                  keys=True),
+                      launch_grid(dq_tr, nq, nk, bh, call.args[0]))
         self.threads = (dkv_tr.threads, dq_tr.threads)
         self.out_shapes = ((*call.heads, nq, d), (*k.shape[:-2], nk, d),
                            (*v.shape[:-2], nk, d_v))

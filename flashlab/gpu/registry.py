@@ -60,6 +60,10 @@ class Kernel(NamedTuple):
     # a backward whose gradients leave as 16-bit pairs in the inputs'
     # type, dK and dV per K/V head (else float32, per query head)
     grads16: bool = False
+    # its blocks find their head and rank by flashlab.order.place: the
+    # grid is order.grid's (heads together, ranks, groups), not (ranks,
+    # heads)
+    placed: bool = False
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -113,14 +117,14 @@ KERNELS = (
     *(Kernel(f"forward_v7_{kind}",
              functools.partial(forward_v7.make, kind=kind), "forward16",
              (dtype,), TENSOR_DIMS, (9, 0), forward_v7.THREADS, version=7,
-             max_cc=(9, 0), shared=forward_v7.shared_bytes)
+             max_cc=(9, 0), shared=forward_v7.shared_bytes, placed=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     *(Kernel(f"forward_v8_{kind}",
              functools.partial(forward_v8.make, kind=kind), "forward16_tma",
              (dtype,), TENSOR_DIMS, (9, 0), None,
              max_registers=forward_v8.max_registers, version=8,
              max_cc=(9, 0), shared=forward_v8.shared_bytes,
-             derived=forward_v8.derived)
+             derived=forward_v8.derived, placed=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # e4m3 inputs, a bf16 output: flashlab.gpu.attention_fp8
     Kernel("forward_v8_e4m3", forward_v8.make_e4m3, "forward8_tma",
@@ -129,7 +133,7 @@ KERNELS = (
            max_registers=forward_v8.max_registers, version=8,
            max_cc=(9, 0),
            shared=functools.partial(forward_v8.shared_bytes, size=1),
-           derived=forward_v8.derived_e4m3),
+           derived=forward_v8.derived_e4m3, placed=True),
     # one thread per own row: 64 or 32 by the head dims (backward.sizes)
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
            threads=None, **_BASE),
@@ -153,7 +157,7 @@ KERNELS = (
              (dtype,), TENSOR_DIMS, (9, 0), backward_v7.threads(part),
              max_cc=(9, 0),
              shared=functools.partial(backward_v7.shared_bytes, part),
-             grads16=True)
+             grads16=True, placed=True)
       for part, make in (("dq", backward_v7.make_dq),
                          ("dkv", backward_v7.make_dkv),
                          ("fused", backward_v7.make_fused))
@@ -165,7 +169,7 @@ KERNELS = (
              "backward16_dkv_tma", (dtype,), backward_v8.HEAD_DIMS, (9, 0),
              backward_v8.threads(), max_registers=backward_v8.max_registers,
              max_cc=(9, 0), shared=backward_v8.shared_bytes,
-             derived=backward_v8.derived, grads16=True)
+             derived=backward_v8.derived, grads16=True, placed=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # and with dQ in the same pass, added by TMA's reductions
     *(Kernel(f"backward_v8_fused_{kind}",
@@ -174,7 +178,8 @@ KERNELS = (
              (9, 0), backward_v8.threads(),
              max_registers=backward_v8.max_registers, max_cc=(9, 0),
              shared=functools.partial(backward_v8.shared_bytes, fused=True),
-             derived=backward_v8.derived_fused, grads16=True)
+             derived=backward_v8.derived_fused, grads16=True,
+             placed=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",

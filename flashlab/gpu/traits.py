@@ -13,6 +13,7 @@ import functools
 import sys
 from typing import NamedTuple
 
+from flashlab import order
 from flashlab.gpu import device, registry, warp
 
 
@@ -33,11 +34,31 @@ class Traits(NamedTuple):
     dynamic_shared: int  # dynamic shared memory per block, bytes
     max_registers: int  # the assembler's cap per thread (None: no cap)
     returns: tuple  # the arguments it writes, in order
+    placed: bool  # its grid is flashlab.order.grid's (registry.Kernel)
 
     @property
     def tile(self):
         """(Br, Bc)."""
         return self.br, self.bc
+
+    @property
+    def blocks_per_sm(self):
+        """Blocks of it an SM of compute capability 9.0 holds at once, by
+        shared memory, threads and registers (255 a thread where the cap
+        is left to the assembler: the fewest blocks it may hold)."""
+        shared = self.shared + self.dynamic_shared + BLOCK_RESERVED
+        registers = self.threads * (self.max_registers or 255)
+        return max(1, min(SM_SHARED // shared, SM_THREADS // self.threads,
+                          SM_REGISTERS // registers))
+
+    def grid(self, n, heads, together=1):
+        """The launch grid over n own rows (queries, or keys for dK and
+        dV) of `heads` batch elements: (ranks, heads), or for a placed
+        kernel order.grid's, `together` heads started at once."""
+        ranks = -(-n // self.br)
+        if not self.placed:
+            return ranks, heads
+        return order.grid(ranks, heads, together)
 
 
 # what each argument list (registry.Kernel.args) writes
@@ -58,6 +79,10 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "finish": ("o", "lse"), "row_statistics": ("stats",),
            "row_statistics16": ("stats",)}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
+# what one SM of compute capability 9.0 holds: shared memory (bytes, 1 KB
+# of it kept by the hardware per block), 32-bit registers, threads
+SM_SHARED, BLOCK_RESERVED, SM_REGISTERS, SM_THREADS = 228 * 1024, 1024, \
+    65536, 2048
 STATS = 3  # per-query values the float32 backward keeps: shift, norm, D
 TERMS = 3  # the 16-bit backward's: backward_v5.row_terms
 
@@ -243,7 +268,8 @@ def traits(name, d, d_v):
                   dynamic_shared=0 if spec.shared is None
                   else spec.shared(d, d_v),
                   max_registers=spec.registers(d, d_v),
-                  returns=RETURNS[spec.args], **layout)
+                  returns=RETURNS[spec.args], placed=spec.placed,
+                  **layout)
 
 
 def forward(version, d, d_v):

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from flashlab import fragments, masks
+from flashlab import fragments, masks, order
 from flashlab.gpu.device import (
     F0,
     NAN,
@@ -23,7 +23,6 @@ from flashlab.gpu.device import (
     inline,
     row_step,
     tile_full,
-    tile_skipped,
 )
 from flashlab.gpu.intrinsics import (
     cp_async16,
@@ -67,25 +66,10 @@ columns_below = inline(fragments.columns_below)
 spread_pairs = inline(fragments.spread_pairs)
 # the run of tiles that need no mask, found once a block (v8)
 full_run = inline(masks.full_run_of(tile_full))
-
-
-@inline
-def tile_range(i0, i1, nk, bc, rules, kv):
-    """(first, last): the K/V tiles that rows i0..i1-1 visit.
-
-    Causal, window and padding bounds leave a contiguous run of tiles;
-    tiles outside it are never loaded. last < first when none is left.
-    """
-    n_tiles = (nk + bc - 1) // bc
-    first = 0
-    while first < n_tiles and tile_skipped(
-            i0, i1, first * bc, min(first * bc + bc, nk), rules, kv):
-        first += 1
-    last = n_tiles - 1
-    while last >= first and tile_skipped(
-            i0, i1, last * bc, min(last * bc + bc, nk), rules, kv):
-        last -= 1
-    return first, last
+# the run of tiles a block visits (in closed form, once a block)
+tile_range = inline(masks.tile_range)
+# a block's head and rank in the order blocks start in
+block_place = inline(order.place)
 
 
 @inline

@@ -1,0 +1,110 @@
+"""The order a grid's blocks start in, and a model of how the GPU fills SMs.
+
+A GPU starts a grid's blocks in the order of their linear index
+(blockIdx.x fastest, then y, then z), each on an SM with room for it.
+Under a causal mask the last query block of a head visits every key tile
+and the first visits one. Started head by head, the work goes long,
+shorter, ..., short, then long again for the next head, and when a
+launch is a few blocks per SM the last heads' long blocks start late
+and finish alone: a ragged tail. Started rank by rank across heads
+(every head's longest block, then every head's second longest, ...),
+blocks start longest first, the order that leaves the shortest tail
+when each goes to the SM that frees first (Graham's rule of longest
+processing time first). Heads started together share less of L2,
+though: blocks of one head read the same K and V.
+
+`grid` and `place` are the launch's shape and the kernels' map from a
+block to its head and rank (they compile it); `finish` and `tail` are
+the model; `together` uses it to choose how many heads start at once.
+"""
+
+import functools
+import heapq
+
+import numpy as np
+
+from flashlab import masks
+
+# a block's own work besides its tiles (loading Q or K, V, writing its
+# outputs), in tiles
+OVERHEAD = 1.0
+# more heads together are worth it when they cut the modeled time by
+# more than this share (each shares L2 with more heads' K and V)
+SLACK = 0.02
+
+
+def grid(ranks, heads, together):
+    """The launch grid (x, y, z) = (together, ranks, groups) that starts
+    blocks `together` heads at a time, rank by rank: linear index (z
+    ranks + y) together + x."""
+    return together, ranks, -(-heads // together)
+
+
+def place(x, y, z, together):
+    """(b, rank) of block (x, y, z) of a `grid`: head z together + x, rank
+    y (0 starts first). b may pass the last head in the last group: such
+    a block has nothing to do."""
+    return z * together + x, y
+
+
+def finish(works, sms):
+    """When the last SM is done, blocks of these works started in order,
+    each on the SM that frees first, one block an SM at a time."""
+    free = [0.0] * sms  # when each SM frees, as a heap
+    for work in works:
+        heapq.heappush(free, heapq.heappop(free) + work)
+    return max(free)
+
+
+def tail(works, sms):
+    """finish over the even share, sum(works) / sms: 1.0 is no tail."""
+    return float(finish(works, sms) * sms / np.sum(works))
+
+
+def works(tiles, heads, together, overhead=0.0):
+    """The works of a grid's blocks in starting order (`grid`): every
+    head's `tiles` (rank order), each plus `overhead`."""
+    w = np.asarray(tiles, dtype=np.float64) + overhead
+    out = []
+    for z in range(-(-heads // together)):
+        n = min(together, heads - z * together)  # heads of this group
+        out.append(np.repeat(w, n))  # rank by rank, its heads each
+    return np.concatenate(out) if out else w[:0]
+
+
+def block_tiles(nq, nk, bq, bk, rules, keys=False):
+    """(ranks,) int: the tiles each block visits, in rank order. Query
+    blocks of bq rows visiting key tiles of bk (the forward, dQ; rank 0
+    is the last block), or with keys=True key blocks of bk visiting
+    query tiles of bq (dK, dV; rank 0 is the first). rules: an index
+    record (masks.Index, kernel_args.KernelRules); every key valid."""
+    runs = [masks.tile_range(i0, min(i0 + bq, nq), nk, bk, rules, nk)
+            for i0 in range(0, nq, bq)]
+    if not keys:
+        return np.array([max(last - first + 1, 0)
+                         for first, last in runs[::-1]], dtype=np.int64)
+    ends = np.zeros(-(-nk // bk) + 1, dtype=np.int64)
+    for first, last in runs:  # query tile i visits key blocks first..last
+        if first <= last:
+            ends[first] += 1
+            ends[last + 1] -= 1
+    return np.cumsum(ends)[:-1]
+
+
+def together(tiles, heads, sms):
+    """Heads to start together (a divisor of heads): the fewest whose
+    modeled time (blocks of `tiles` in rank order, OVERHEAD each) is
+    within SLACK of the best divisor's. Equal blocks give 1."""
+    return _together(tuple(int(t) for t in tiles), int(heads), int(sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _together(tiles, heads, sms):
+    """together, on hashable arguments (a plan asks once a shape)."""
+    if not tiles or heads < 2:
+        return 1
+    choices = [g for g in range(1, heads + 1) if heads % g == 0]
+    ends = [finish(works(tiles, heads, g, OVERHEAD), sms) for g in choices]
+    best = min(ends)
+    return next(g for g, end in zip(choices, ends)
+                if end <= best * (1 + SLACK))
