@@ -10,6 +10,8 @@ run twice for each of two builds; hopper_full_run_h200 with the forwards
 run twice for each of two builds; hopper_stalls with ncu's source
 counters, reduced by `python -m flashlab.stalls`; hopper_trials_h200
 the one-off runs of builds that were not kept, as its notes say;
+hopper_order_h200 the causal kernels with the heads started together
+forced, as its command says;
 cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
@@ -33,7 +35,8 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "hopper_fused_order_h200.csv",
          "hopper_profile_h200.txt", "hopper_stalls_h200.csv",
          "hopper_full_run_h200.csv", "hopper_trials_h200.json",
-         "hopper_ladder_h200.json", "cpu_ladder.json",
+         "hopper_ladder_h200.json", "hopper_order_h200.json",
+         "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
          "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv",
          "cpu_masks.csv", "cpu_masks.txt")
