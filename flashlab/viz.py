@@ -25,6 +25,7 @@ are the computation's states, never a separate drawing of it.
   idea of each forward version of chapter 9, from the kernels' layouts.
 """
 
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -1285,10 +1286,20 @@ def v8_program(tiles=4, d=64, d_v=None):
     for role, t in roles.items():
         ns = {**names, "t": t, "w": t // 32, "lane": 0, "first": 0,
               "last": tiles - 1, "bars": 0, "maps_at": 0, "q_desc": 0,
-              "k_desc": 0, "v_desc": 0, "k_next": 1, "v_next": 1}
+              "k_desc": 0, "v_desc": 0, "k_next": 1, "v_next": 1,
+              # the block placed at head 0, rank 0 of one head
+              "block_place": lambda *grid: (0, 0), "cuda": _BLOCK,
+              "q": _HEAD}
         out[role] = []
         run(kernel.body, ns, out[role])
     return out
+
+
+# v8_program's block: (0, 0, 0) of a grid of one, over one head
+_BLOCK = types.SimpleNamespace(
+    blockIdx=types.SimpleNamespace(x=0, y=0, z=0),
+    gridDim=types.SimpleNamespace(x=1, y=1, z=1))
+_HEAD = types.SimpleNamespace(shape=(1,))
 
 
 class Handoff(NamedTuple):
