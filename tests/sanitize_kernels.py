@@ -49,17 +49,22 @@ def backward16(rng):
             k, v = (rng.standard_normal((1, kv_heads, 90, d)).astype(
                 np.float16) for _ in range(2))
             do = rng.standard_normal(q.shape).astype(np.float16)
-            o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
-            runs = [gpu.attention_backward(q, k, v, o, lse, do,
-                                           deterministic=flag, **opts)
-                    for flag in (True, False)]
-            for g, g2 in zip(*runs):
-                assert np.isfinite(g).all() and np.isfinite(g2).all()
-                # float16: the two round float32 sums once each
-                scale = float(np.abs(g.astype(np.float32)).max())
-                assert np.abs(g.astype(np.float32) - g2).max() <= (
-                    2.0**-9 * scale), d
+            both_ways(q, k, v, do, opts)
     print("the 16-bit backward ran, both ways")
+
+
+def both_ways(q, k, v, do, opts):
+    """The backward of gpu.attention's own forward (float16 numpy), with
+    deterministic=True and False: finite, and within float16's rounding
+    of each other (the two round float32 sums once each)."""
+    o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
+    runs = [gpu.attention_backward(q, k, v, o, lse, do, deterministic=flag,
+                                   **opts)
+            for flag in (True, False)]
+    for g, g2 in zip(*runs):
+        assert np.isfinite(g).all() and np.isfinite(g2).all()
+        scale = float(np.abs(g.astype(np.float32)).max())
+        assert np.abs(g.astype(np.float32) - g2).max() <= 2.0**-9 * scale
 
 
 def tensor_cores(rng):
@@ -98,15 +103,7 @@ def placed(rng, together=4):
         for version in (7, 8):
             got = gpu.attention(q, k, v, causal=True, version=version)
             assert np.max(np.abs(got - want)) < 1e-2, (d, version)
-        o, lse = gpu.attention(q, k, v, causal=True, return_lse=True)
-        runs = [gpu.attention_backward(q, k, v, o, lse, do, causal=True,
-                                       deterministic=flag)
-                for flag in (True, False)]
-        for g, g2 in zip(*runs):
-            assert np.isfinite(g).all() and np.isfinite(g2).all()
-            scale = float(np.abs(g.astype(np.float32)).max())
-            assert np.abs(g.astype(np.float32) - g2).max() <= (
-                2.0**-9 * scale), d
+        both_ways(q, k, v, do, dict(causal=True))
     print(f"the placed kernels ran, {together} heads of 6 together")
 
 

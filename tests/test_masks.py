@@ -68,47 +68,49 @@ def test_patterns_match_definition_and_skip_only_empty_tiles(
     assert max_abs_err(o, mask_ref) < 1e-12
 
 
+# blocks of rows against tiles of keys, with padding: the kernels' cases
+BLOCKS = dict(nq=st.integers(1, 60), nk=st.integers(1, 60),
+              causal=st.sampled_from([False, True, "bottom_right"]),
+              window=windows, kv=st.integers(0, 60), bq=st.integers(1, 20),
+              bk=st.integers(1, 20))
+
+
+def row_blocks(nq, nk, causal, window, kv, bq, bk):
+    """(rules, valid keys, n_tiles, i0, i1) for each block of bq rows."""
+    rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+    for i0 in range(0, nq, bq):
+        yield rules, min(kv, nk), -(-nk // bk), i0, min(i0 + bq, nq)
+
+
 @settings(max_examples=150, deadline=None)
-@given(nq=st.integers(1, 60), nk=st.integers(1, 60),
-       causal=st.sampled_from([False, True, "bottom_right"]),
-       window=windows, kv=st.integers(0, 60), bq=st.integers(1, 20),
-       bk=st.integers(1, 20))
+@given(**BLOCKS)
 def test_full_run_is_every_full_tile_and_only_those(nq, nk, causal, window,
                                                     kv, bq, bk):
     # the tiles a block visits that need no mask are one run (forward_v8
     # finds it once a block): exactly the tiles tile_full passes
-    rules = masks.rules(causal, window, None, None, (), nq, nk).index()
-    kv = min(kv, nk)
-    n_tiles = -(-nk // bk)
-    for i0 in range(0, nq, bq):
-        i1 = min(i0 + bq, nq)
+    for rules, valid, n_tiles, i0, i1 in row_blocks(nq, nk, causal, window,
+                                                    kv, bq, bk):
         for first in range(n_tiles):
             for last in range(first - 1, n_tiles):
                 lo, hi = masks.full_run(i0, i1, first, last, nk, bk, rules,
-                                        kv)
+                                        valid)
                 want = [t for t in range(first, last + 1)
                         if t * bk + bk <= nk and masks.tile_full(
-                            i0, i1, t * bk, t * bk + bk, rules, kv)]
+                            i0, i1, t * bk, t * bk + bk, rules, valid)]
                 assert list(range(lo, hi + 1)) == want
 
 
 @settings(max_examples=300, deadline=None)
-@given(nq=st.integers(1, 60), nk=st.integers(1, 60),
-       causal=st.sampled_from([False, True, "bottom_right"]),
-       window=windows, kv=st.integers(0, 60), bq=st.integers(1, 20),
-       bk=st.integers(1, 20))
+@given(**BLOCKS)
 def test_tile_range_is_the_run_tile_skipped_leaves(nq, nk, causal, window,
                                                    kv, bq, bk):
     # the kernels find a block's tiles in closed form: the same tiles as
     # asking tile_skipped of each, and the same empty answer
-    rules = masks.rules(causal, window, None, None, (), nq, nk).index()
-    kv = min(kv, nk)
-    n_tiles = -(-nk // bk)
-    for i0 in range(0, nq, bq):
-        i1 = min(i0 + bq, nq)
-        first, last = masks.tile_range(i0, i1, nk, bk, rules, kv)
+    for rules, valid, n_tiles, i0, i1 in row_blocks(nq, nk, causal, window,
+                                                    kv, bq, bk):
+        first, last = masks.tile_range(i0, i1, nk, bk, rules, valid)
         want = [t for t in range(n_tiles) if not masks.tile_skipped(
-            i0, i1, t * bk, min(t * bk + bk, nk), rules, kv)]
+            i0, i1, t * bk, min(t * bk + bk, nk), rules, valid)]
         assert list(range(first, last + 1)) == want
         if not want:
             assert (first, last) == (n_tiles, n_tiles - 1)
