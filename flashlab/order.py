@@ -15,7 +15,8 @@ though: blocks of one head read the same K and V.
 
 `grid` and `place` are the launch's shape and the kernels' map from a
 block to its head and rank (they compile it); `finish` and `tail` are
-the model; `together` uses it to choose how many heads start at once.
+the model; `together` uses it to choose how many heads start at once,
+and `for_launch` asks it for a launch's shape.
 """
 
 import functools
@@ -96,6 +97,15 @@ def together(tiles, heads, sms):
     modeled time (blocks of `tiles` in rank order, OVERHEAD each) is
     within SLACK of the best divisor's. Equal blocks give 1."""
     return _together(tuple(int(t) for t in tiles), int(heads), int(sms))
+
+
+@functools.lru_cache(maxsize=256)
+def for_launch(nq, nk, bq, bk, index, heads, sms, keys=False):
+    """together for one launch: its blocks' tiles (block_tiles) under the
+    index rules `index` (a masks.Index of Python scalars). Kept per shape:
+    a call that keeps no plan asks again each time."""
+    return together(block_tiles(nq, nk, bq, bk, index, keys=keys), heads,
+                    sms)
 
 
 @functools.lru_cache(maxsize=256)

@@ -2,13 +2,12 @@
 
 Forward v7, v8 (bf16 and e4m3) and the backward v7 and v8 kernels read
 their head and rank from flashlab.order.place; the host chooses how many
-heads start together. Here that choice is forced: 1 (head by head), 4
-of 6 heads (the second group has two idle places, whose blocks must
-leave without writing) and all 6. Each block computes alone, so the
-deterministic kernels' outputs must match bit for bit; the fused
-backward's dQ (atomic sums in any order) within a unit of bf16. Outputs
-are poisoned with NaN first.
-"""
+heads start together (order.for_launch). Here that choice is forced: 1
+(head by head), 4 of 6 heads (the second group has two idle places,
+whose blocks must leave without writing) and all 6. Each block computes
+alone, so the deterministic kernels' outputs must match bit for bit; the
+fused backward's dQ (atomic sums in any order) within a unit of bf16.
+Outputs are poisoned with NaN first."""
 
 import numpy as np
 import pytest
@@ -33,7 +32,7 @@ def poison(monkeypatch):
 
 def forced(monkeypatch, g):
     """Start g heads together from now on (no plan kept from before)."""
-    monkeypatch.setattr(order, "together", lambda tiles, heads, sms: g)
+    monkeypatch.setattr(order, "for_launch", lambda *shape: g)
     monkeypatch.setattr(host, "_plans", {})
     monkeypatch.setattr(gpu_fp8, "_plans", {})
 

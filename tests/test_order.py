@@ -132,6 +132,10 @@ def test_launch_grid_spreads_only_placed_kernels_with_unequal_blocks(
                             keys=True)[1] == 4096 // dkv.br
     # v7's dQ kernel fits two blocks an SM: twice the slots
     assert traits.traits("backward_v7_dq_bf16", 128, 128).blocks_per_sm == 2
+    # asked again for the same shape (a call without a plan), the choice
+    # is kept, not modeled again
+    monkeypatch.setattr(order, "block_tiles", None)
+    assert host.launch_grid(v8, 4096, 4096, 16, causal) == (4, 32, 4)
     v5 = traits.traits("forward_v5_bf16", 64, 64)
     assert not v5.placed
     assert host.launch_grid(v5, 4096, 4096, 16, causal) == (64, 16)

@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from numba import config
 
-from flashlab import kernel_args, tiled
+from flashlab import kernel_args, masks, tiled
 from flashlab import order as block_order  # `order` names a loop order
 from flashlab._validate import check_flag
 from flashlab.gpu import (
@@ -187,9 +187,11 @@ def launch_grid(tr, nq, nk, heads, rules, keys=False):
     together = 1
     if tr.placed:
         bq, bk = (tr.bc, tr.br) if keys else (tr.br, tr.bc)
-        tiles = block_order.block_tiles(nq, nk, bq, bk, rules, keys=keys)
-        slots = _multiprocessors() * tr.blocks_per_sm
-        together = block_order.together(tiles, heads, slots)
+        index = masks.Index(bool(rules.causal), int(rules.offset),
+                            int(rules.left), int(rules.right))
+        together = block_order.for_launch(
+            nq, nk, bq, bk, index, heads,
+            _multiprocessors() * tr.blocks_per_sm, keys)
     return tr.grid(nk if keys else nq, heads, together)
 
 
