@@ -245,6 +245,18 @@ def test_chapter12_exp2_cubic_is_the_kernels_model_in_float64(rng):
     assert got[-2] == 0 and np.isnan(got[-1])
 
 
+def test_chapter12_dispatch_finish_is_flashlab_orders_model(rng):
+    # the worked answer (the first free SM by argmin) against
+    # order.finish (a heap), on random works, SM counts and orders
+    from flashlab import order
+
+    dispatch_finish = exercises.solution("dispatch_finish")
+    for _ in range(200):
+        works = rng.integers(1, 40, int(rng.integers(1, 300)))
+        sms = int(rng.integers(1, 20))
+        assert dispatch_finish(works, sms) == order.finish(works, sms)
+
+
 def test_chapter12_parities_are_the_ones_forward_v8_waits_on():
     # the worked answer against the kernel's own waits, read from its
     # source: consumers on K full of tile n, the producer on K empty

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from flashlab import exp2, fragments, masks
+from flashlab import exp2, fragments, masks, order
 from flashlab.exercises.checker import Case, Exercise, register
 
 # ---------------------------------------------------------- descriptor
@@ -892,3 +892,59 @@ register("exp2_cubic", Exercise(
       _cubic_rounded),
      ("Horner's rule nests the highest power innermost: 1 + f (c1 + f "
       "(c2 + f c3)), c1 the linear term", _cubic_reversed))))
+
+# ----------------------------------------------------- dispatch_finish
+
+
+def _cases_dispatch_finish(rng):
+    causal = np.arange(32, 0, -1, dtype=np.float64)  # 4K, 128-row blocks
+    drawn = rng.integers(1, 60, 700).astype(np.float64)
+    return [Case(name, (works, sms), order.finish(works, sms))
+            for name, works, sms in (
+                ("causal, head by head: 16 heads of 32 ranks, 132 SMs",
+                 np.tile(causal, 16), 132),
+                ("causal, rank by rank: the same blocks, longest first",
+                 np.repeat(causal, 16), 132),
+                ("fewer blocks than SMs", np.array([5.0, 9.0, 2.0]), 8),
+                ("ties: equal blocks, 2.5 waves", np.full(20, 3.0), 8),
+                ("random works on 7 SMs", drawn, 7),
+                ("one SM: the sum", drawn[:50], 1))]
+
+
+def dispatch_finish(works, sms):
+    """Chapter 12: when the last of `sms` SMs is done, blocks of `works`
+    started in the order given, each on the SM that frees first (one
+    block an SM at a time; ties to any)."""
+    ends = np.zeros(sms)  # when each SM frees
+    for work in works:
+        ends[np.argmin(ends)] += work  # the first free SM takes it
+    return float(ends.max())
+
+
+def _dispatch_round_robin(works, sms):
+    ends = np.zeros(sms)
+    for i, work in enumerate(works):
+        ends[i % sms] += work
+    return float(ends.max())
+
+
+def _dispatch_sorted(works, sms):
+    return dispatch_finish(np.sort(works)[::-1], sms)
+
+
+def _dispatch_even_share(works, sms):
+    return float(np.sum(works)) / sms
+
+
+register("dispatch_finish", Exercise(
+    12, "dispatch_finish(works (n,) float64, sms int) -> float: when the "
+    "last SM is done, the blocks started in order, each on the SM that "
+    "frees first (flashlab.order's model of a launch)",
+    _cases_dispatch_finish, dispatch_finish,
+    (("a block goes to whichever SM frees first, not to the next SM in "
+      "turn: short blocks free their SMs early", _dispatch_round_robin),
+     ("the blocks start in the order given; longest first is an order "
+      "the grid's layout must make, the GPU does not sort",
+      _dispatch_sorted),
+     ("sum / sms is the even share, a bound: the answer is when the last "
+      "SM finishes", _dispatch_even_share))))
