@@ -113,6 +113,12 @@ def _together(tiles, heads, sms):
     """together, on hashable arguments (a plan asks once a shape)."""
     if not tiles or heads < 2:
         return 1
+    # no order ends before the even share, and head by head ends within
+    # a block of it (Graham): when that block is within SLACK of the
+    # share, 1 is the answer without modeling (a launch of many waves)
+    share = (sum(tiles) + OVERHEAD * len(tiles)) * heads / sms
+    if max(tiles) + OVERHEAD <= SLACK * share:
+        return 1
     choices = [g for g in range(1, heads + 1) if heads % g == 0]
     ends = [finish(works(tiles, heads, g, OVERHEAD), sms) for g in choices]
     best = min(ends)

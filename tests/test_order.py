@@ -46,6 +46,12 @@ def test_together_is_the_fewest_heads_near_the_best_modeled_time():
         assert all(time[h] > near for h in time if h < g)
     # 4K causal at 128-row blocks: head by head leaves a tail, 4 do not
     assert order.together([32 - r for r in range(32)], 16, sms) == 4
+    # many waves: 1 by Graham's bound, without the model, as the model says
+    tiles, heads = [64 - r for r in range(64)], 96
+    assert order.together(tiles, heads, sms) == 1
+    time = [order.finish(order.works(tiles, heads, h, order.OVERHEAD), sms)
+            for h in (1, 2, 3, 96)]
+    assert time[0] <= min(time) * (1 + order.SLACK)
 
 
 def test_finish_is_greedy_dispatch():
