@@ -21,6 +21,7 @@ from flashlab.gpu import (
     _Call,
     backward,
     device,
+    host,
     kernel,
     registry,
     traits,
@@ -341,11 +342,13 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
     else:
         bh_k = bh
         (dq, dq_k), (dk, dk_k), (dv, dv_k) = (call.empty(s) for s in shapes)
-    for part, n, b_n, outs in (("dkv", nk, bh_k, (dk_k, dv_k)),
-                               ("dq", nq, bh, (dq_k,))):
+    for part, b_n, outs in (("dkv", bh_k, (dk_k, dv_k)),
+                            ("dq", bh, (dq_k,))):
         tr = traits.traits(names[part], d, d_v)
-        kernel(tr.name, d, d_v)[(math.ceil(n / tr.br), b_n), tr.threads,
-                                call.stream](*inputs, *outs, *call.args)
+        grid = host.launch_grid(tr, nq, nk, b_n, call.args[0],
+                                keys=part == "dkv")  # placed or not
+        kernel(tr.name, d, d_v)[grid, tr.threads, call.stream](
+            *inputs, *outs, *call.args)
     if bh_k != call.bh_kv:
         dk, dv = call.group_sum(dk), call.group_sum(dv)
     return tuple(np.asarray(call.result(g, s).float().cpu()) if hasattr(
