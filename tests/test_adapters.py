@@ -45,17 +45,18 @@ def test_round_trip_keeps_shape_dtype_and_values(rng, kind, dtype):
     assert np.array_equal(back, x)  # bits, not values near them
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "uint8"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "uint8", "int32"])
 def test_outputs_are_of_the_callers_kind(rng, kind, dtype):
     like = kind(rng.standard_normal((2, 3)).astype(np.float32))
     arrays = adapters.of("q", like)
     out, view = arrays.empty((4, 5), dtype)
-    width = {"float32": np.float32, "float16": np.int16, "uint8": np.uint8}
+    width = {"float32": np.float32, "float16": np.int16, "uint8": np.uint8,
+             "int32": np.int32}
     assert view.shape == (4, 5) and view.dtype == width[dtype]
     poisoned = arrays.empty((4, 5), dtype, poison=True)[0]
     result = host(arrays.result(poisoned, (2, 10)))
     assert result.shape == (2, 10)
-    if dtype != "uint8":  # flags are written whole by their kernel
+    if dtype not in adapters.FLAGS:  # written whole by their kernel
         assert result.dtype == np.dtype(dtype) and np.isnan(result).all()
     flags = arrays.zeros_bool((3, 8))
     assert host(flags).dtype == np.bool_ and not host(flags).any()

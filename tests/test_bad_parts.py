@@ -1,7 +1,8 @@
-"""device.find_bad_parts on numba's simulator: every flag of every chunk
-written (the outputs start as poison, not zeros), set exactly where a
-chunk of V's rows holds a NaN or an inf, float32 values and 16-bit bits
-alike; and bad_bits, the tensor-core epilogues' reading of the flags."""
+"""device.find_bad_parts on numba's simulator: every word of every chunk
+written (the outputs start as poison, not zeros), a bit set exactly where
+a chunk of V's rows holds a NaN or an inf in that bit's column, float32
+values and 16-bit bits alike; and bad_bits, the tensor-core epilogues'
+reading of the words."""
 
 import math
 
@@ -41,34 +42,62 @@ def test_flags_match_numpy(rng, dtype, nk, d_v):
     else:
         v = x.astype(dtype)
     shape = device.bad_parts_shape(bh, nk, d_v)
-    parts = np.full(shape, 7, np.uint8)  # poison: every entry rewritten
+    parts = np.full(shape, 7, np.int32)  # poison: every entry rewritten
     kernel = getattr(device, f"find_bad_parts{device.WIDTHS[dtype]}")
     kernel[shape[1::-1], device.FIND_THREADS](
         v.view(np.int32), parts, device.EXPONENT_BITS[dtype])
     rows = math.ceil(nk / shape[1])
-    want = np.zeros(shape, np.uint8)
-    for c in range(shape[1]):
-        chunk = x[:, c * rows:(c + 1) * rows]
-        want[:, c] = ~np.isfinite(chunk).all(axis=1)
-    assert np.array_equal(parts, want)
+    flags = np.stack([~np.isfinite(x[:, c * rows:(c + 1) * rows]).all(1)
+                      for c in range(shape[1])], 1)  # (bh, chunks, d_v)
+    assert np.array_equal(column_flags(parts, d_v), flags)
     # the column rule of flashlab.nonfinite: any chunk flags the column
-    assert np.array_equal(parts.any(axis=1),
+    assert np.array_equal(column_flags(parts, d_v).any(axis=1),
                           ~np.isfinite(x).all(axis=1))
 
 
+def column_flags(parts, d_v):
+    """(..., d_v) bool: each column's bit of its quad word (the layout
+    the epilogues read, unpacked the slow way)."""
+    bits = parts.view(np.uint32)
+    out = np.zeros((*parts.shape[:-1], d_v), bool)
+    for x in range(d_v):
+        q, bit = device.quad_bit(x)
+        out[..., x] = (bits[..., q] >> np.uint32(bit)) & 1
+    return out
+
+
+def test_quad_bits_are_a_thread_s_columns():
+    # word q holds the columns lane q of a quad writes, 8 n + 2 q + e, at
+    # bit 2 n + e: every column of 128 once, and no two share a bit
+    places = {device.quad_bit(x) for x in range(device.PART_COLUMNS)}
+    assert len(places) == device.PART_COLUMNS
+    assert all(0 <= bit < 32 for _, bit in places)
+    assert device.quad_bit(8 * 15 + 2 * 3 + 1) == (3, 31)
+
+
 def test_chunks_stay_few():
-    assert device.bad_parts_shape(3, 1, 64) == (3, 1, 64)
+    assert device.bad_parts_shape(3, 1, 64) == (3, 1, device.QUADS)
     assert device.bad_parts_shape(3, 10**6, 64)[1] == device.MAX_PARTS
+    with pytest.raises(ValueError, match="d_v: expected at most 128"):
+        device.bad_parts_shape(3, 100, 256)
 
 
-def test_bad_bits_reads_a_threads_columns():
-    parts = np.zeros((2, 3, 32), np.uint8)
-    parts[1, 2, 8 * 2 + 4 + 1] = 1  # column 21: n = 2, x0 = 4, e = 1
-    out = np.zeros(1, np.uint32)
+def test_bad_bits_ors_a_lane_s_word_over_the_chunks():
+    # head 1: column 21 (n = 2, q = 2, e = 1: bit 5) in chunk 2, column
+    # 125 (q = 2, bit 31) in chunk 0, column 3 (q = 1, bit 1) in chunk 1;
+    # lane 2 reads the first two, lane 1 the third, head 0 none
+    parts = np.zeros((2, 3, device.QUADS), np.int32)
+    bits = parts.view(np.uint32)
+    for chunk, x in ((2, 21), (0, 125), (1, 3)):
+        q, bit = device.quad_bit(x)
+        bits[1, chunk, q] |= np.uint32(1) << np.uint32(bit)
+    out = np.zeros(3, np.uint32)
 
     @cuda.jit
     def read(parts, out):
-        out[0] = device.bad_bits(parts, 1, 4, 4)
+        out[0] = device.bad_bits(parts, 1, 2)
+        out[1] = device.bad_bits(parts, 1, 1)
+        out[2] = device.bad_bits(parts, 0, 2)
 
     read[1, 1](parts, out)
-    assert out[0] == 1 << (2 * 2 + 1)
+    assert list(out) == [(1 << 5) | (1 << 31), 1 << 1, 0]

@@ -103,7 +103,7 @@ def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
             FakeDeviceArray((3, 130, 128), np.int16, 0x3000),
             FakeDeviceArray((6, 100, 64), np.int32, 0x4000),
             FakeDeviceArray((6, 100), np.float32, 0x4800),
-            FakeDeviceArray((3, 1, 1), np.uint8, 0x4900),
+            FakeDeviceArray((3, 1, 4), np.int32, 0x4900),
             KernelRules(np.float32(0.1), False, 0, -1, -1, False,
                         np.uint64(0), np.uint64(0), False, np.float32(0),
                         np.float32(0), 2),

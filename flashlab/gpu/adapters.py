@@ -13,6 +13,8 @@ import numpy as np
 
 # 16-bit storage: (exponent bits, a NaN's bits) per dtype name
 HALF_BITS = {"bfloat16": (0x7F80, 0x7FC0), "float16": (0x7C00, 0x7E00)}
+# outputs whose kernel writes every entry: never poisoned (no NaN fits)
+FLAGS = ("uint8", "int32")
 
 
 def is_torch(x):
@@ -109,7 +111,7 @@ class TorchArrays:
 
         out = torch.empty(shape, dtype=getattr(torch, dtype),
                           device=self.device)
-        if dtype == "uint8":  # flags: every entry written by its kernel
+        if dtype in FLAGS:  # every entry written by its kernel
             return out, device_view(out)
         if poison:
             out.fill_(float("nan"))
@@ -189,8 +191,8 @@ class DeviceArrays:
         for a 16-bit dtype; filled with NaN when poison."""
         from numba import cuda
 
-        if dtype == "uint8":  # flags: every entry written by its kernel
-            dev = cuda.device_array(shape, dtype=np.uint8)
+        if dtype in FLAGS:  # every entry written by its kernel
+            dev = cuda.device_array(shape, dtype=np.dtype(dtype))
             return dev, dev
         half = dtype in HALF_BITS
         kind = np.int16 if half else np.float32

@@ -11,7 +11,7 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from numba import config, cuda, float32, int32, uint64
+from numba import config, cuda, float32, int32, uint32, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
 
@@ -385,8 +385,12 @@ def finish_rows(o, lse, bad, empty):
 
 
 PART_ROWS = 64  # fewest rows of V per block of find_bad_parts
-MAX_PARTS = 16  # chunks of V's rows: what an epilogue ORs per column
+MAX_PARTS = 16  # chunks of V's rows: the words an epilogue ORs
 PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
+# a chunk's flags as one 32-bit word per place of a lane in its quad (a
+# C fragment's four lanes share rows and split the columns): bit 2 n + e
+# of word q is column 8 n + 2 q + e, the order the epilogue writes them
+QUADS = 4
 FIND_THREADS = 512  # per block of find_bad_parts: loads enough in flight
 # the bits of a value's exponent, all set in NaN and +-inf: float32's,
 # bf16's, float16's, and e4m3's (which has no inf; 0x7F, 0xFF are NaN)
@@ -397,10 +401,19 @@ WIDTHS = {"float32": 32, "bfloat16": 16, "float16": 16,
 
 
 def bad_parts_shape(bh_kv, nk, d_v):
-    """(BH_kv, chunks, d_v) of find_bad_parts' flags for V (BH_kv, Nk,
-    d_v): at most MAX_PARTS chunks, so an epilogue reads few of them."""
+    """(BH_kv, chunks, QUADS) int32 words of find_bad_parts' flags for V
+    (BH_kv, Nk, d_v <= PART_COLUMNS): at most MAX_PARTS chunks, so an
+    epilogue reads few words."""
+    if d_v > PART_COLUMNS:
+        raise ValueError(f"d_v: expected at most {PART_COLUMNS} for the "
+                         f"bad-column words, got {d_v}")
     chunks = max(1, min(MAX_PARTS, math.ceil(nk / PART_ROWS)))
-    return bh_kv, chunks, d_v
+    return bh_kv, chunks, QUADS
+
+
+def quad_bit(x):
+    """(word, bit) of column x in a chunk's QUADS words (see QUADS)."""
+    return (x % 8) // 2, 2 * (x // 8) + x % 2
 
 
 def _find_bad_parts(width):
@@ -419,16 +432,17 @@ def _find_bad_parts(width):
 
     @cuda.jit
     def find_bad_parts(v, parts, exponent):
-        """parts[b, c, x]: V[b, j, x] is NaN or inf for a row j of chunk c.
+        """parts[b, c, q] bit quad_bit(x): V[b, j, x] is NaN or inf for a
+        row j of chunk c.
 
         flashlab.nonfinite's column rule in one launch: V comes as int32
         words (BH_kv, Nk, d_v width / 32), values not finite when every
         `exponent` bit is set (EXPONENT_BITS). Block (c, b) reads chunk c
         of V[b]'s rows once: thread t keeps word column t % words, a
         row of words per `words` threads, four loads in flight, and ORs
-        what it saw into its column's shared word at the end; the block
-        then writes every flag of its chunk, set or not, so no memset
-        runs first.
+        what it saw into its column's shared word at the end; the block's
+        first QUADS threads then write the chunk's words, set or not, so
+        no memset runs first.
         """
         seen = cuda.shared.array(PART_COLUMNS, int32)  # bit y of word w
         b, c, t = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
@@ -457,8 +471,15 @@ def _find_bad_parts(width):
             if bits:
                 cuda.atomic.or_(seen, w, bits)
         cuda.syncthreads()  # the chunk's words complete before the store
-        for x in range(t, words * per, cuda.blockDim.x):
-            parts[b, c, x] = (seen[x // per] >> (x % per)) & 1
+        if t < QUADS:  # word t: columns 8 n + 2 t + e
+            flags = int32(0)
+            for n in range(PART_COLUMNS // 8):
+                for e in range(2):
+                    x = 8 * n + 2 * t + e
+                    if x < words * per and \
+                            (seen[x // per] >> (x % per)) & 1:
+                        flags |= int32(1) << int32(2 * n + e)
+            parts[b, c, t] = flags
 
     return find_bad_parts
 
@@ -469,13 +490,15 @@ find_bad_parts8 = _find_bad_parts(8)
 
 
 @inline
-def bad_bits(parts, bk, x0, n_tiles):
-    """Bit 2n + e: column 8n + x0 + e of V[bk] holds a NaN or inf (the
-    columns a thread of a tensor-core epilogue writes), from the parts."""
-    bits = np.uint32(0)
-    for c in range(parts.shape[1]):
-        for n in range(n_tiles):
-            for e in range(2):
-                if parts[bk, c, 8 * n + x0 + e]:
-                    bits |= np.uint32(1) << np.uint32(2 * n + e)
-    return bits
+def bad_bits(parts, bk, q):
+    """Bit 2n + e: column 8n + 2q + e of V[bk] holds a NaN or inf (the
+    columns lane q of its quad writes in a tensor-core epilogue): the OR
+    of the chunks' words q. A constant trip count with the chunk test
+    inside keeps the loads independent, one wait for all of them (a flag
+    a column, read one by one, cost 3 to 12% of v8's forward)."""
+    chunks = parts.shape[1]
+    bits = int32(0)
+    for c in range(MAX_PARTS):
+        if c < chunks:
+            bits |= parts[bk, c, q]
+    return uint32(bits)

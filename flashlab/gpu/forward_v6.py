@@ -176,7 +176,7 @@ def make(D, D_V, precision="3xtf32"):
             cuda.syncthreads()  # K_{j+1} landed; no warp reads V_j or P
         # O_i = O_i / l, lse = m + ln 2 log2 l, and the rule of
         # flashlab.nonfinite, as in v5
-        bits = bad_bits(bad, bk, 2 * tq, NO)  # this thread's columns
+        bits = bad_bits(bad, bk, tq)  # this thread's columns
         for h in range(2):
             inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h

@@ -179,7 +179,7 @@ class _Plan:
         if host._poisoned():
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        bad = torch.empty(self.bad_shape, dtype=torch.uint8,
+        bad = torch.empty(self.bad_shape, dtype=torch.int32,
                           device=self.device)
         v_t = torch.empty((self.shapes[2][0], self.shapes[2][2],
                            self.keys), dtype=torch.uint8,

@@ -664,11 +664,11 @@ class _Call:
         return self.per_query_head(bad)
 
     def bad_parts(self, v_k, dtype):
-        """(BH_kv, chunks, d_v) uint8 on the device, one launch, no
-        memset: device.find_bad_parts, which the tensor-core kernels
-        read for the rule of flashlab.nonfinite."""
+        """(BH_kv, chunks, QUADS) int32 words on the device, one
+        launch, no memset: device.find_bad_parts, which the tensor-core
+        kernels read for the rule of flashlab.nonfinite."""
         shape = device.bad_parts_shape(self.bh_kv, *v_k.shape[1:])
-        parts, parts_k = self.empty(shape, "uint8")
+        parts, parts_k = self.empty(shape, "int32")
         kernel(find_bad_name(dtype), 0, 0)[
             shape[1::-1], device.FIND_THREADS, self.stream](
             words(v_k), parts_k, device.EXPONENT_BITS[dtype])
@@ -839,7 +839,7 @@ class _ForwardPlan:
         if _poisoned():
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        bad = torch.empty(self.bad_shape, dtype=torch.uint8,
+        bad = torch.empty(self.bad_shape, dtype=torch.int32,
                           device=self.device)
         return o, lse, bad
 

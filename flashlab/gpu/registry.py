@@ -299,7 +299,8 @@ def argument_types(args):
 
     a3, a2 = float32[:, :, ::1], float32[:, ::1]
     h3, b2 = int16[:, :, ::1], boolean[:, ::1]
-    parts = uint8[:, :, ::1]  # device.find_bad_parts' flags
+    parts = int32[:, :, ::1]  # device.find_bad_parts' words
+    bytes3 = uint8[:, :, ::1]  # e4m3 values
     f = float32(0)
     rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
                                uint64(0), False, f, f, 1))
@@ -312,7 +313,7 @@ def argument_types(args):
         "forward16_tma": (h3, h3, h3, int32[:, :, ::1], a2, parts, *common,
                           uint64[::1]),
         # e4m3 q, k, V^T bytes, bf16 pairs out, descale_v, the maps
-        "forward8_tma": (parts, parts, parts, int32[:, :, ::1], a2, parts,
+        "forward8_tma": (bytes3, bytes3, bytes3, int32[:, :, ::1], a2, parts,
                          *common, float32, uint64[::1]),
         "backward_kv": (a3, a3, a3, a3, a2, a2, a3, a3, *common),
         "backward_q": (a3, a3, a3, a3, a2, a2, a3, *common),

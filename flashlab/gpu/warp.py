@@ -273,7 +273,7 @@ def make_store_rows16(pack, n_tiles):
         and lse = m + ln 2 log2 l, with the rule of flashlab.nonfinite:
         no key 0 and -inf, all scores -inf NaN, and NaN in the columns
         where V[bk] holds a NaN or inf (bad, device.find_bad_parts)."""
-        bits = bad_bits(bad, bk, 2 * (lane % 4), n_tiles)
+        bits = bad_bits(bad, bk, lane % 4)
         for h in range(2):
             inv, lse_i, state = row_end(m[h], l[h], seen[h])
             i = row + 8 * h
