@@ -190,7 +190,7 @@ class _Plan:
         o, lse, bad, v_t = self._outputs(q)
         if self.empty:
             return o, lse
-        q8, k8, v8 = (_bytes(x, s) for x, s in zip((q, k, v), self.shapes))
+        q8, k8, v8 = (_aligned(x) for x in (q, k, v))
         stream = self.stream_of()
         self.transpose.point(0, v8.data_ptr())
         self.transpose.point(1, v_t.data_ptr())
@@ -232,11 +232,16 @@ def _check_descale(name, x):
 
 
 def _bytes(x, shape):
-    """e4m3 tensor x as contiguous uint8 (shape), 16-byte aligned for
-    TMA (a copy where x is an offset view)."""
+    """e4m3 tensor x as a device view of contiguous uint8 (shape), for
+    packing a launch (`_aligned`)."""
     import torch
 
-    x = x.detach().contiguous().view(torch.uint8).view(shape)
-    if x.data_ptr() % 16:
-        x = x.clone()
-    return device_view(x)
+    return device_view(_aligned(x).view(torch.uint8).view(shape))
+
+
+def _aligned(x):
+    """e4m3 tensor x contiguous and 16-byte aligned for TMA (a copy where
+    x is strided or an offset view): a call needs only its address, and
+    a device view of it would cost more than the launches."""
+    x = x.detach().contiguous()
+    return x.clone() if x.data_ptr() % 16 else x
