@@ -158,7 +158,7 @@ class _Plan:
         if self.empty:
             return
         q8, k8, v8 = (_bytes(x, s) for x, s in zip((q, k, v), self.shapes))
-        o, lse, bad, v_t = self._outputs(q)
+        (o, lse), (bad, v_t) = self._outputs(), self._of_v()
         self.transpose = kernel("transpose_keys8", 0, 0).pack(
             *(x.view(torch.uint32) for x in (v8, v_t)))
         self.find = kernel("find_bad_parts8", 0, 0).pack(
@@ -168,8 +168,8 @@ class _Plan:
             lse.view(call.bh, call.nq), bad, self.rules, *call.args[1:],
             np.float32(1))
 
-    def _outputs(self, q):
-        """Fresh o, lse, V's bad-part flags and V^T on q's device."""
+    def _outputs(self):
+        """Fresh o and lse on the plan's device."""
         import torch
 
         o = torch.empty(self.o_shape, dtype=torch.bfloat16,
@@ -179,31 +179,22 @@ class _Plan:
         if host._poisoned():
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
+        return o, lse
+
+    def _of_v(self):
+        """Fresh room for V's bad-part flags and V^T."""
+        import torch
+
         bad = torch.empty(self.bad_shape, dtype=torch.int32,
                           device=self.device)
         v_t = torch.empty((self.shapes[2][0], self.shapes[2][2],
                            self.keys), dtype=torch.uint8,
                           device=self.device)
-        return o, lse, bad, v_t
+        return bad, v_t
 
     def __call__(self, q, k, v, descales, seed):
-        o, lse, bad, v_t = self._outputs(q)
         if self.empty:
-            return o, lse
-        q8, k8, v8 = (_aligned(x) for x in (q, k, v))
-        stream = self.stream_of()
-        self.transpose.point(0, v8.data_ptr())
-        self.transpose.point(1, v_t.data_ptr())
-        self.transpose.launch((self.keys // 32, self.shapes[2][0]),
-                              self.transpose_threads, stream)
-        self.find.point(0, v8.data_ptr())
-        self.find.point(1, bad.data_ptr())
-        self.find.launch(self.bad_shape[1::-1], device.FIND_THREADS,
-                         stream)
-        main = self.main
-        for arg, x in enumerate((q8, k8, v_t, o, lse, bad)):
-            main.point(arg, x.data_ptr())
-        fields = self.rules._fields
+            return self._outputs()
         # tau and Q's and K's scales: one float32 rounding of the product
         scale = self.tau * descales[0] * descales[1]
         if not scale < F32_MAX:
@@ -213,10 +204,30 @@ class _Plan:
         if not descales[2] < F32_MAX:
             raise ValueError(f"descale_v: expected a finite float32, got "
                              f"{descales[2]!r}")
+        if self.rules.use_dropout:
+            host._check_seed(seed)
+        # V's two launches first: the GPU runs them while the host
+        # allocates o and lse and packs the forward
+        v8 = _aligned(v)
+        bad, v_t = self._of_v()
+        stream = self.stream_of()
+        self.transpose.point(0, v8.data_ptr())
+        self.transpose.point(1, v_t.data_ptr())
+        self.transpose.launch((self.keys // 32, self.shapes[2][0]),
+                              self.transpose_threads, stream)
+        self.find.point(0, v8.data_ptr())
+        self.find.point(1, bad.data_ptr())
+        self.find.launch(self.bad_shape[1::-1], device.FIND_THREADS,
+                         stream)
+        q8, k8 = _aligned(q), _aligned(k)
+        o, lse = self._outputs()
+        main = self.main
+        for arg, x in enumerate((q8, k8, v_t, o, lse, bad)):
+            main.point(arg, x.data_ptr())
+        fields = self.rules._fields
         main.put(6, fields.index("scale"), "f", scale)
         main.put(9, 0, "f", descales[2])
         if self.rules.use_dropout:
-            host._check_seed(seed)
             main.put(6, fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
         return o, lse

@@ -782,11 +782,12 @@ class _ForwardPlan:
     """A tensor-core forward of one (shapes, dtype, options), prepared.
 
     The first call validates everything (`_Call`) and packs both
-    launches' parameters (launch.Packed); a call then allocates o, lse
-    and the bad-column flags, writes their and q, k, v's data pointers
-    (and the dropout seed) into the packed buffers and launches: no
-    numba dispatch, no host-device copy, no synchronization, so CUDA
-    graphs capture it.
+    launches' parameters (launch.Packed); a call then launches V's
+    bad-column flags first, so the GPU works while the host allocates o
+    and lse, writes their and q, k's data pointers (and the dropout
+    seed) into the packed buffers and launches the forward: no numba
+    dispatch, no host-device copy, no synchronization, so CUDA graphs
+    capture it.
     """
 
     def __init__(self, q, k, v, version, dtype, precision, options,
@@ -810,7 +811,8 @@ class _ForwardPlan:
         # read once: each reading of q.device makes a new object
         self.device, self.dtype = q.device, q.dtype
         self.stream_of = stream_reader(q)
-        o, lse, bad = self._outputs(q)
+        o, lse = self._outputs()
+        bad = self._flags()
         v3 = self._bits(v).view(call.bh_kv, call.nk, d_v)
         self.find = kernel(find_bad_name(dtype), 0, 0).pack(
             words(v3), bad, device.EXPONENT_BITS[dtype])
@@ -828,9 +830,8 @@ class _ForwardPlan:
 
         return x.view(torch.int16) if self.half else x
 
-    def _outputs(self, q):
-        """Fresh o, lse and bad-column flags (written by find_bad_parts)
-        on q's device."""
+    def _outputs(self):
+        """Fresh o and lse on the plan's device."""
         import torch
 
         o = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
@@ -839,22 +840,30 @@ class _ForwardPlan:
         if _poisoned():
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
-        bad = torch.empty(self.bad_shape, dtype=torch.int32,
-                          device=self.device)
-        return o, lse, bad
+        return o, lse
+
+    def _flags(self):
+        """Fresh bad-column flags (find_bad_parts writes every word)."""
+        import torch
+
+        return torch.empty(self.bad_shape, dtype=torch.int32,
+                           device=self.device)
 
     def __call__(self, q, k, v, seed):
-        q, k, v = _dense(q, k, v)
-        o, lse, bad = self._outputs(q)
+        if self.rules.use_dropout:
+            _check_seed(seed)
+        (v,) = _dense(v)
+        bad = self._flags()
         stream = self.stream_of()
         self.find.point(0, v.data_ptr())
         self.find.point(1, bad.data_ptr())
         self.find.launch(self.find_grid, device.FIND_THREADS, stream)
+        q, k = _dense(q, k)
+        o, lse = self._outputs()
         main = self.main
         for arg, x in enumerate((q, k, v, o, lse, bad)):
             main.point(arg, x.data_ptr())
         if self.rules.use_dropout:
-            _check_seed(seed)
             main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
         return o, lse
