@@ -348,8 +348,27 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     for flag in ("--cpu", "--no-gpu", "--quick", "--out", "--tensor-cores",
                  "--backward-only", "--decode", "--ring", "--ceilings",
-                 "--versions", "--host", "--training", "--gpt"):
+                 "--versions", "--host", "--training", "--gpt", "--hopper",
+                 "--fp8-only"):
         assert flag in out
+    with pytest.raises(SystemExit):
+        bench.main(["--fp8-only", "--out", str(tmp_path)])
+    assert "--fp8-only: expected with --hopper" in capsys.readouterr().err
+
+
+def test_fp8_suite_times_v7_and_v8_beside_e4m3():
+    # chapter 12's e4m3 ratios over v7 and v8 are of rows of one suite
+    from flashlab.bench import hopper
+
+    suite = hopper.fp8_suite()
+    assert {(c.N, c.causal) for c in suite.cases} == {
+        (n, c) for n in (4096, 16384) for c in (False, True)}
+    for case in suite.cases:
+        assert {"flashlab v8 e4m3", "flashlab v7 bf16",
+                "flashlab v8 bf16"} <= set(case.impls)
+        assert case.baseline == "torch flash bf16" and case.d == 128
+        assert all(("forward", impl) in suite.impls for impl in case.impls)
+        assert suite.flops(case) == _costs_flops(case)
 
 
 def test_hopper_ladder_changes_one_thing_per_step():

@@ -74,8 +74,13 @@ def main(argv=None):
                          "and backward_v5, v7 and v8 against flash and "
                          "cuDNN, with accuracy and the ladder that built "
                          "v8 (Hopper)")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="with --hopper: the e4m3 rows alone "
+                         "(hopper_fp8.csv)")
     ap.add_argument("--out", default=".", help="folder for csv and png")
     args = ap.parse_args(argv)
+    if args.fp8_only and not args.hopper:
+        ap.error("--fp8-only: expected with --hopper")
     os.makedirs(args.out, exist_ok=True)
     print("machine:", report.machine())
     if args.cpu_ladder:
@@ -92,7 +97,7 @@ def main(argv=None):
         return roofs
     if args.hopper:
         _need_cuda(ap)
-        return hopper.main(args.out)
+        return hopper.main(args.out, fp8_only=args.fp8_only)
     if args.tensor_cores and args.backward_only:
         return measure(tensor.suite(backward_only=True), args.out)
     if args.tensor_cores:

@@ -120,31 +120,38 @@ def _saved_backward(version, deterministic=True):
     return make
 
 
-FP8 = ("flashlab v8 e4m3", "flashlab v8 bf16", "torch flash bf16",
-       "torch cudnn bf16")
+FP8 = ("flashlab v8 e4m3", "flashlab v7 bf16", "flashlab v8 bf16",
+       "torch flash bf16", "torch cudnn bf16")
 
 
 def fp8_rows(sizes=(4096, 16384), b=2, h=8, d=128):
+    """fp8_suite's rows, measured."""
+    return runner.run(fp8_suite(sizes, b, h, d))
+
+
+def fp8_suite(sizes=(4096, 16384), b=2, h=8, d=128):
     """The e4m3 forward (gpu.attention_fp8, inputs quantized before the
-    clock starts) against v8 and torch's flash and cuDNN on the bf16
-    inputs, per (N, causal); ratios over torch flash."""
+    clock starts) against v7, v8 and torch's flash and cuDNN on the bf16
+    inputs, per (N, causal), in one suite (one clock for every ratio);
+    ratios over torch flash."""
     cases = tuple(runner.Case("forward", b, h, n, d, c, FP8,
                               "torch flash bf16", 5 if n > 8192 else 20,
                               dtype="bfloat16")
                   for n in sizes for c in (False, True))
     impls = {("forward", "flashlab v8 e4m3"): tensor._hopper(_fp8),
+             ("forward", "flashlab v7 bf16"):
+             tensor._hopper(tensor._flashlab(version=7)),
              ("forward", "flashlab v8 bf16"):
              tensor._hopper(tensor._flashlab(version=8)),
              ("forward", "torch flash bf16"):
              tensor._sdpa("FLASH_ATTENTION"),
              ("forward", "torch cudnn bf16"):
              tensor._sdpa("CUDNN_ATTENTION")}
-    suite = runner.Suite("hopper fp8", cases, tensor._inputs, impls,
-                         timing.events, columns=report.FIELDS,
-                         shown=report.SHOWN, csv=None,
-                         optional=("torch cudnn bf16", "flashlab v8 e4m3",
-                                   "flashlab v8 bf16"))
-    return runner.run(suite)
+    return runner.Suite("hopper fp8", cases, tensor._inputs, impls,
+                        timing.events, columns=report.FIELDS,
+                        shown=report.SHOWN, csv=None,
+                        optional=("torch cudnn bf16", "flashlab v8 e4m3",
+                                  "flashlab v7 bf16", "flashlab v8 bf16"))
 
 
 def _fp8(case, x):
@@ -248,9 +255,15 @@ def ladder(cases=((128, False), (64, False))):
     return rows
 
 
-def main(out):
+def main(out, fp8_only=False):
     """Measure everything above; write hopper.csv, hopper.json and
-    hopper_ladder.json under `out` and print the tables."""
+    hopper_ladder.json under `out` and print the tables (fp8_only: the
+    e4m3 rows alone, hopper_fp8.csv)."""
+    if fp8_only:
+        fp8 = fp8_rows()
+        report.write_csv(fp8, os.path.join(out, "hopper_fp8.csv"))
+        print(report.table(fp8))
+        return fp8
     rows = forward_rows()
     report.write_csv(rows, os.path.join(out, "hopper.csv"))
     print(report.table(rows))
