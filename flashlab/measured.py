@@ -36,7 +36,7 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "hopper_profile_h200.txt", "hopper_stalls_h200.csv",
          "hopper_full_run_h200.csv", "hopper_trials_h200.json",
          "hopper_ladder_h200.json", "hopper_order_h200.json",
-         "cpu_ladder.json",
+         "hopper_epilogue_h200.json", "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
          "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv",
          "cpu_masks.csv", "cpu_masks.txt")

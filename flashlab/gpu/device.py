@@ -416,6 +416,9 @@ def quad_bit(x):
     return (x % 8) // 2, 2 * (x // 8) + x % 2
 
 
+_quad_bit = inline(quad_bit)  # find_bad_parts' own
+
+
 def _find_bad_parts(width):
     """find_bad_parts for values of `width` bits (32, 16 or 8)."""
     per = 32 // width  # values in a 32-bit word
@@ -471,14 +474,12 @@ def _find_bad_parts(width):
             if bits:
                 cuda.atomic.or_(seen, w, bits)
         cuda.syncthreads()  # the chunk's words complete before the store
-        if t < QUADS:  # word t: columns 8 n + 2 t + e
+        if t < QUADS:  # word t, from every column
             flags = int32(0)
-            for n in range(PART_COLUMNS // 8):
-                for e in range(2):
-                    x = 8 * n + 2 * t + e
-                    if x < words * per and \
-                            (seen[x // per] >> (x % per)) & 1:
-                        flags |= int32(1) << int32(2 * n + e)
+            for x in range(words * per):
+                q, bit = _quad_bit(x)
+                if q == t and (seen[x // per] >> (x % per)) & 1:
+                    flags |= int32(1) << int32(bit)
             parts[b, c, t] = flags
 
     return find_bad_parts
