@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from flashlab import fp8
+from flashlab import fp8, fragments
 from flashlab.gpu import device
 
 
@@ -64,6 +64,17 @@ def column_flags(parts, d_v):
         q, bit = device.quad_bit(x)
         out[..., x] = (bits[..., q] >> np.uint32(bit)) & 1
     return out
+
+
+def test_quad_bits_follow_the_accumulator():
+    # the epilogue tests bit 2 n + e of word lane % 4 for accumulator
+    # register r = 4 n + 2 h + e (n-tile n, row half h, element e): that
+    # must be the bit of the column fragments' model puts register r at
+    places = fragments.wgmma_c_places(device.PART_COLUMNS)
+    for t in range(128):
+        for r in range(device.PART_COLUMNS // 2):
+            column = int(places[t, r, 1])
+            assert device.quad_bit(column) == (t % 4, 2 * (r // 4) + r % 2)
 
 
 def test_quad_bits_are_a_thread_s_columns():
