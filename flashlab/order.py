@@ -92,11 +92,13 @@ def block_tiles(nq, nk, bq, bk, rules, keys=False):
     return np.cumsum(ends)[:-1]
 
 
-def together(tiles, heads, sms):
+def together(tiles, heads, sms, overhead=OVERHEAD):
     """Heads to start together (a divisor of heads): the fewest whose
-    modeled time (blocks of `tiles` in rank order, OVERHEAD each) is
-    within SLACK of the best divisor's. Equal blocks give 1."""
-    return _together(tuple(int(t) for t in tiles), int(heads), int(sms))
+    modeled time (blocks of `tiles` in rank order, `overhead` tiles each
+    besides) is within SLACK of the best divisor's. Equal blocks give
+    1."""
+    return _together(tuple(int(t) for t in tiles), int(heads), int(sms),
+                     float(overhead))
 
 
 @functools.lru_cache(maxsize=256)
@@ -109,18 +111,18 @@ def for_launch(nq, nk, bq, bk, index, heads, sms, keys=False):
 
 
 @functools.lru_cache(maxsize=256)
-def _together(tiles, heads, sms):
+def _together(tiles, heads, sms, overhead):
     """together, on hashable arguments (a plan asks once a shape)."""
     if not tiles or heads < 2:
         return 1
     # no order ends before the even share, and head by head ends within
     # a block of it (Graham): when that block is within SLACK of the
     # share, 1 is the answer without modeling (a launch of many waves)
-    share = (sum(tiles) + OVERHEAD * len(tiles)) * heads / sms
-    if max(tiles) + OVERHEAD <= SLACK * share:
+    share = (sum(tiles) + overhead * len(tiles)) * heads / sms
+    if max(tiles) + overhead <= SLACK * share:
         return 1
     choices = [g for g in range(1, heads + 1) if heads % g == 0]
-    ends = [finish(works(tiles, heads, g, OVERHEAD), sms) for g in choices]
+    ends = [finish(works(tiles, heads, g, overhead), sms) for g in choices]
     best = min(ends)
     return next(g for g, end in zip(choices, ends)
                 if end <= best * (1 + SLACK))

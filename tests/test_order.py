@@ -46,6 +46,12 @@ def test_together_is_the_fewest_heads_near_the_best_modeled_time():
         assert all(time[h] > near for h in time if h < g)
     # 4K causal at 128-row blocks: head by head leaves a tail, 4 do not
     assert order.together([32 - r for r in range(32)], 16, sms) == 4
+    # the overhead counts: 4K causal at 192-row blocks (v8 at d = 64)
+    # starts 8 heads together at one tile a block, 4 at ten (chapter 12)
+    index = masks.rules(True, None, None, None, (), 4096, 4096).index()
+    tiles = order.block_tiles(4096, 4096, 192, 128, index)
+    assert [order.together(tiles, 16, sms, overhead=x)
+            for x in (order.OVERHEAD, 10)] == [8, 4]
     # many waves: 1 by Graham's bound, without the model, as the model says
     tiles, heads = [64 - r for r in range(64)], 96
     assert order.together(tiles, heads, sms) == 1
