@@ -496,7 +496,7 @@ def bad_bits(parts, bk, q):
     columns lane q of its quad writes in a tensor-core epilogue): the OR
     of the chunks' words q. A constant trip count with the chunk test
     inside keeps the loads independent, one wait for all of them (a flag
-    a column, read one by one, cost 3 to 12% of v8's forward)."""
+    a column, read one by one, cost 3 to 15% of v8's forward)."""
     chunks = parts.shape[1]
     bits = int32(0)
     for c in range(MAX_PARTS):
