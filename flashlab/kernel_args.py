@@ -31,8 +31,6 @@ class KernelRules(NamedTuple):
     drop_scale: np.floating  # 1 / (1 - dropout_p)
     lowest: np.floating  # most negative finite value of the dtype
     group: int  # query heads per K/V head: K/V head of b is b // group
-    # heads a persistent kernel's items take at once (order.item)
-    together: int = 1
 
 
 class AddedScores(NamedTuple):

@@ -17,16 +17,6 @@ though: blocks of one head read the same K and V.
 block to its head and rank (they compile it); `finish` and `tail` are
 the model; `together` uses it to choose how many heads start at once,
 and `for_launch` asks it for a launch's shape.
-
-A persistent kernel launches one block a slot (an SM's room for one) and
-each block works through items, the blocks of the grid above in its
-order (`item`): in turn `turn` the slots take the next `slots` items,
-left to right in even turns and right to left in odd ones (`slot_item`,
-a snake), so that a slot given a long item in one turn is given a short
-one in the next. Nothing chooses at run time: `snake` is the model of
-that schedule, and with it `together` picks the heads to take at once
-(the snake balances only when a turn's items are alike: rank by rank
-across heads).
 """
 
 import functools
@@ -56,40 +46,6 @@ def place(x, y, z, together):
     y (0 starts first). b may pass the last head in the last group: such
     a block has nothing to do."""
     return z * together + x, y
-
-
-def item(n, ranks, together):
-    """(b, rank) of item n of a persistent launch: what `place` gives the
-    block of linear index n of grid(ranks, heads, together)."""
-    per_group = together * ranks  # items of a group of heads
-    return n // per_group * together + n % together, n % per_group // together
-
-
-def slot_item(slot, turn, slots):
-    """The item `slot` takes in its turn `turn` of a persistent launch:
-    the turn's items in order in even turns, reversed in odd ones."""
-    if turn % 2 == 0:
-        return turn * slots + slot
-    return turn * slots + slots - 1 - slot
-
-
-def persistent_grid(ranks, heads, slots):
-    """The launch grid of a persistent kernel: one block a slot, no more
-    than there are items."""
-    return max(1, min(ranks * heads, slots)), 1, 1
-
-
-def snake(works, slots):
-    """When the last slot is done: works in order, taken by `slots` slots
-    turn by turn as slot_item gives them out."""
-    w = np.asarray(works, dtype=np.float64)
-    turns = -(-len(w) // slots)
-    if turns == 0:
-        return 0.0
-    w = np.concatenate([w, np.zeros(turns * slots - len(w))])
-    w = w.reshape(turns, slots)
-    w[1::2] = w[1::2, ::-1]
-    return float(w.sum(axis=0).max())
 
 
 def finish(works, sms):
@@ -136,41 +92,37 @@ def block_tiles(nq, nk, bq, bk, rules, keys=False):
     return np.cumsum(ends)[:-1]
 
 
-def together(tiles, heads, sms, overhead=OVERHEAD, persistent=False):
+def together(tiles, heads, sms, overhead=OVERHEAD):
     """Heads to start together (a divisor of heads): the fewest whose
     modeled time (blocks of `tiles` in rank order, `overhead` tiles each
-    besides; `finish`, or for a persistent kernel of `sms` slots
-    `snake`) is within SLACK of the best divisor's. Equal blocks give
+    besides) is within SLACK of the best divisor's. Equal blocks give
     1."""
     return _together(tuple(int(t) for t in tiles), int(heads), int(sms),
-                     float(overhead), bool(persistent))
+                     float(overhead))
 
 
 @functools.lru_cache(maxsize=256)
-def for_launch(nq, nk, bq, bk, index, heads, sms, keys=False,
-               persistent=False):
+def for_launch(nq, nk, bq, bk, index, heads, sms, keys=False):
     """together for one launch: its blocks' tiles (block_tiles) under the
     index rules `index` (a masks.Index of Python scalars). Kept per shape:
     a call that keeps no plan asks again each time."""
     return together(block_tiles(nq, nk, bq, bk, index, keys=keys), heads,
-                    sms, persistent=persistent)
+                    sms)
 
 
 @functools.lru_cache(maxsize=256)
-def _together(tiles, heads, sms, overhead, persistent=False):
+def _together(tiles, heads, sms, overhead):
     """together, on hashable arguments (a plan asks once a shape)."""
-    if not tiles or heads < 2 or len(set(tiles)) == 1:
+    if not tiles or heads < 2:
         return 1
     # no order ends before the even share, and head by head ends within
     # a block of it (Graham): when that block is within SLACK of the
-    # share, 1 is the answer without modeling (a launch of many waves).
-    # Not so for a snake: its turns must hold alike items
+    # share, 1 is the answer without modeling (a launch of many waves)
     share = (sum(tiles) + overhead * len(tiles)) * heads / sms
-    if not persistent and max(tiles) + overhead <= SLACK * share:
+    if max(tiles) + overhead <= SLACK * share:
         return 1
-    model = snake if persistent else finish
     choices = [g for g in range(1, heads + 1) if heads % g == 0]
-    ends = [model(works(tiles, heads, g, overhead), sms) for g in choices]
+    ends = [finish(works(tiles, heads, g, overhead), sms) for g in choices]
     best = min(ends)
     return next(g for g, end in zip(choices, ends)
                 if end <= best * (1 + SLACK))

@@ -48,22 +48,20 @@ from flashlab.gpu.forward_v7 import (
 )
 from flashlab.gpu.intrinsics import (
     global_address,
-    opaque,
     pack_bf16x2,
     pack_e4m3x4,
     pack_f16x2,
     shared_address,
 )
 from flashlab.gpu.warp import (
+    block_place,
     full_run,
     known_softmax,
     make_store_rows16,
     plain_softmax,
     rescale,
-    slot_item,
     tile_range,
     tile_softmax,
-    work_item,
 )
 from flashlab.gpu.wgmma import K_STEP, mma_rs, mma_ss, wait_for
 
@@ -81,9 +79,8 @@ REGISTERS = {2: (168, 24, 240), 3: (128, 32, 160)}
 # and O must fit the 160 registers of three consumer warpgroups
 BLOCK_K = {64: 128, 128: 128}
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
-# mbarrier numbers: K full (2 stages), V full, K empty, V empty, Q empty.
-# Q_i comes in on the barrier of its first K tile
-K_FULL, V_FULL, K_EMPTY, V_EMPTY, Q_EMPTY = 0, 2, 4, 6, 8
+# mbarrier numbers: Q full, K full (2 stages), V full, K empty, V empty
+Q_FULL, K_FULL, V_FULL, K_EMPTY, V_EMPTY = 0, 1, 3, 5, 7
 SWIZZLE_BYTES = 128  # a TMA box's row: the 128-byte swizzle's width
 PANEL = SWIZZLE_BYTES // 2  # its columns of 16-bit values
 BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
@@ -195,35 +192,6 @@ def make(D, D_V, kind="bf16"):
     o_wait = wait_for(0, NO * 4, KP * 4)  # O, and P (its A operand)
 
     @inline
-    def schedule(q, rules):
-        """(heads, ranks, items, slot, slots, turns): a persistent block's
-        share of the items (order.item), a last group of fewer than
-        `together` heads leaving places idle. Its inputs go through
-        `opaque`: called again for each item, it is worked out again
-        there, not held in registers across the item's tiles."""
-        heads = int32(opaque(uint32(q.shape[0])))
-        together = int32(opaque(uint32(rules.together)))
-        ranks = (int32(opaque(uint32(q.shape[1]))) + BR - 1) // BR
-        items = ranks * together * ((heads + together - 1) // together)
-        slot = int32(opaque(uint32(cuda.blockIdx.x)))
-        slots = int32(opaque(uint32(cuda.gridDim.x)))
-        return heads, ranks, items, slot, slots, (items + slots - 1) // slots
-
-    @inline
-    def where(n, heads, ranks, nq, nk, rules, kv_len):
-        """Item n's head b (heads or more: an idle place), its K/V head,
-        first query row and end, valid keys, and the key tiles it visits
-        (first, last)."""
-        b, rank = work_item(n, ranks, rules.together)
-        # rank 0, the last query block, comes first: under a causal mask
-        # the last blocks visit the most tiles (flashlab.order)
-        i0 = (ranks - 1 - rank) * BR
-        i1 = min(i0 + BR, nq)
-        kv = kv_len[b] if b < heads else 0
-        first, last = tile_range(i0, i1, nk, BC, rules, kv)
-        return b, b // rules.group, i0, i1, kv, first, last
-
-    @inline
     def run(q, k, v, o, lse, bad, rules, kv_len, mask, maps, out_scale):
         tiles = cuda.shared.array(0, int16)
         sf = cuda.local.array((NS, 4), float32)  # S_ij, then P_ij
@@ -234,7 +202,20 @@ def make(D, D_V, kind="bf16"):
         al = cuda.local.array(2, float32)
         seen = cuda.local.array(2, int32)  # met an allowed key yet
         t = cuda.threadIdx.x
-        w = t // 32
+        w, lane = t // 32, t % 32
+        # rank 0, the last query block, starts first: under a causal mask
+        # the last blocks visit the most tiles; the grid says how many
+        # heads start together (flashlab.order)
+        b, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
+                              cuda.blockIdx.z, cuda.gridDim.x)
+        if b >= q.shape[0]:
+            return
+        bk = b // rules.group  # the K/V head of query head b
+        i0 = (cuda.gridDim.y - 1 - rank) * BR
+        nq, nk = q.shape[1], k.shape[1]
+        i1 = min(i0 + BR, nq)
+        kv = kv_len[b]  # once: the loop's asm fences would reload it
+        first, last = tile_range(i0, i1, nk, BC, rules, kv)
         at = shared_address(tiles, 0)
         bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         q_at = bars + uint32(BARRIERS)
@@ -243,176 +224,124 @@ def make(D, D_V, kind="bf16"):
         if t == 0:
             for x in range(9):  # full: the producer's one arrival (and
                 # the bytes); empty: every consumer thread's
-                tma.mbarrier_init(bars + uint32(8 * x), uint32(
-                    1 if x < K_EMPTY else CONSUMERS))
+                tma.mbarrier_init(bars + uint32(8 * x),
+                                  uint32(1 if x < K_EMPTY else CONSUMERS))
             tma.fence_mbarrier_init()
         cuda.syncthreads()
         if w < 4:  # the producer warpgroup
             release()
-            if t == 0:
-                turns = schedule(q, rules)[5]
-                n = 0  # K/V tiles loaded: their stage and phase
-                loads = 0  # Q tiles loaded: Q's phase
-                for turn in range(turns):
-                    heads, ranks, items, slot, slots, _ = schedule(q, rules)
-                    maps_at = global_address(maps, 0)
-                    item = slot_item(slot, turn, slots)
-                    if item >= items:
-                        continue
-                    b, bk, i0, i1, kv, first, last = where(
-                        item, heads, ranks, q.shape[1], k.shape[1], rules,
-                        kv_len)
-                    if b >= heads or first > last:
-                        continue
-                    for jt in range(first, last + 1):
-                        s, phase = n & 1, (n >> 1) & 1
-                        n += 1
-                        # a stage is free once both warpgroups are done
-                        # with it; the first pass finds every stage free
-                        tma.wait(bars + uint32(8 * (K_EMPTY + s)),
-                                 uint32(1 - phase))
-                        full = bars + uint32(8 * (K_FULL + s))
-                        if jt == first:  # and Q_i, on the same barrier,
-                            # once every product of the item before has
-                            # read Q (the first pass finds it free)
-                            tma.wait(bars + uint32(8 * Q_EMPTY),
-                                     uint32(1 - (loads & 1)))
-                            loads += 1
-                            tma.arrive_expect_tx(full, uint32(Q_B + K_B))
-                            for p in range(D // box):
-                                tma.load_3d(q_at + uint32(p * BR * 128),
-                                            maps_at, int32(p * box),
-                                            int32(i0), int32(b), full)
-                        else:
-                            tma.arrive_expect_tx(full, uint32(K_B))
-                        for p in range(D // box):
-                            tma.load_3d(
-                                k_at + uint32(K_B * s + p * BC * 128),
-                                maps_at + uint64(128), int32(p * box),
-                                int32(jt * BC), int32(bk), full)
-                        tma.wait(bars + uint32(8 * (V_EMPTY + s)),
-                                 uint32(1 - phase))
-                        full = bars + uint32(8 * (V_FULL + s))
-                        tma.arrive_expect_tx(full, uint32(V_B))
-                        for p in range(v_panels):
-                            tma.load_3d(
-                                v_at + uint32(V_B * s + p * v_rows * 128),
-                                maps_at + uint64(256),
-                                int32(p * box + jt * BC * keys_x),
-                                int32(jt * BC * (1 - keys_x)), int32(bk),
-                                full)
+            if t == 0 and first <= last:
+                maps_at = global_address(maps, 0)
+                tma.arrive_expect_tx(bars + uint32(8 * Q_FULL),
+                                     uint32(Q_B))
+                for p in range(D // box):
+                    tma.load_3d(q_at + uint32(p * BR * 128), maps_at,
+                                int32(p * box), int32(i0), int32(b),
+                                bars + uint32(8 * Q_FULL))
+                for jt in range(first, last + 1):
+                    n = jt - first
+                    s, phase = n & 1, (n >> 1) & 1
+                    # a stage is free once both warpgroups are done with
+                    # it; the first pass finds every stage free
+                    tma.wait(bars + uint32(8 * (K_EMPTY + s)),
+                             uint32(1 - phase))
+                    full = bars + uint32(8 * (K_FULL + s))
+                    tma.arrive_expect_tx(full, uint32(K_B))
+                    for p in range(D // box):
+                        tma.load_3d(k_at + uint32(K_B * s + p * BC * 128),
+                                    maps_at + uint64(128), int32(p * box),
+                                    int32(jt * BC), int32(bk), full)
+                    tma.wait(bars + uint32(8 * (V_EMPTY + s)),
+                             uint32(1 - phase))
+                    full = bars + uint32(8 * (V_FULL + s))
+                    tma.arrive_expect_tx(full, uint32(V_B))
+                    for p in range(v_panels):
+                        tma.load_3d(
+                            v_at + uint32(V_B * s + p * v_rows * 128),
+                            maps_at + uint64(256),
+                            int32(p * box + jt * BC * keys_x),
+                            int32(jt * BC * (1 - keys_x)), int32(bk),
+                            full)
             return
         take()
-        nq, nk = q.shape[1], k.shape[1]
+        row = i0 + 16 * (w - 4) + lane // 4  # this lane's first row (g)
+        q_desc = uint64(descriptor_128b(
+            q_at + uint32(64 * 128 * ((w - 4) // 4)), lbo_k, sbo_k))
+        k_desc = uint64(descriptor_128b(k_at, lbo_k, sbo_k))
+        v_desc = uint64(descriptor_128b(v_at, lbo_v, sbo_v))
         k_next = uint64(K_B >> 4)  # descriptor step to the other stage
         v_next = uint64(V_B >> 4)
-        done = 0  # K/V tiles of the items before: the next one's stage
-        turn = 0
-        # (a bound held from the start would hold a register throughout)
-        while turn < schedule(q, rules)[5]:
-            heads, ranks, items, slot, slots, _ = schedule(q, rules)
-            item = slot_item(slot, turn, slots)
-            turn += 1
-            if item >= items:
-                continue
-            b, _, i0, i1, kv, first, last = where(
-                item, heads, ranks, nq, nk, rules, kv_len)
-            if b >= heads:
-                continue
-            # the lane and the descriptors made anew for each item: else
-            # the compiler holds them, and every address the lane gives
-            # (the epilogue's), in registers from one item to the next,
-            # beside the epilogue's own
-            lane = int32(opaque(uint32(t % 32)))
-            at = opaque(q_at)
-            q_desc = uint64(descriptor_128b(
-                at + uint32(64 * 128 * ((w - 4) // 4)), lbo_k, sbo_k))
-            k_desc = uint64(descriptor_128b(at + uint32(Q_B), lbo_k,
-                                            sbo_k))
-            v_desc = uint64(descriptor_128b(at + uint32(Q_B + 2 * K_B),
-                                            lbo_v, sbo_v))
-            row = i0 + 16 * (w - 4) + lane // 4  # this lane's row g
-            for h in range(2):
-                m[h] = NEG_INF
-                l[h] = F0
-                seen[h] = 0
+        for h in range(2):
+            m[h] = NEG_INF
+            l[h] = F0
+            seen[h] = 0
+        for n in range(NO):
+            for x in range(4):
+                of[n, x] = F0
+        # the tiles that need no mask: one run, found once here. Tested
+        # tile by tile (int64 bounds of causal, window and padding), the
+        # test sat on each tile's critical path. (Where three warpgroups
+        # share the registers, a tile that is not full still takes
+        # tile_softmax: known_softmax there makes ptxas spill.)
+        full_lo, full_hi = int32(0), int32(-1)
+        if not rules.use_mask:
+            lo, hi = full_run(i0, i1, first, last, nk, BC, rules, kv)
+            full_lo, full_hi = int32(lo), int32(hi)
+        if first <= last:
+            tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
+            tma.wait(bars + uint32(8 * K_FULL), uint32(0))
+            s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
+            s_wait(sf)
+            tma.arrive(bars + uint32(8 * K_EMPTY))
+            if TIGHT:
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                             first * BC, nq, nk, rules, kv_len, mask, kv,
+                             poly)
+            else:
+                known_softmax(sf, m, l, al, seen, NS, b, row, first * BC,
+                              nq, nk, rules, kv_len, mask,
+                              full_lo <= int32(first) <= full_hi, poly)
+            to_a(pf, sf)
+        for jt in range(first + 1, last + 1):
+            # stage and phase by bits: n // 2 % 2 of a signed n costs a
+            # dozen instructions ahead of every tile's products
+            n = jt - first
+            s, phase = n & 1, (n >> 1) & 1
+            ps, p_phase = (n - 1) & 1, ((n - 1) >> 1) & 1  # tile jt - 1
+            tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
+            s_issue(sf, q_desc, k_desc + k_next * uint64(s))  # S_{i,j}
+            tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
+            o_issue(of, pf, v_desc + v_next * uint64(ps))  # += P V_{j-1}
+            s_wait_one(sf)
+            tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
+            # the softmax of tile jt while P V of tile jt - 1 runs
+            if not TIGHT:
+                known_softmax(sf, m, l, al, seen, NS, b, row, jt * BC, nq,
+                              nk, rules, kv_len, mask,
+                              full_lo <= int32(jt) <= full_hi, poly)
+                o_wait(of, pf)
+            elif full_lo <= int32(jt) <= full_hi and not rules.use_dropout:
+                plain_softmax(sf, m, l, al, seen, NS, rules, poly)
+                o_wait(of, pf)
+            else:  # a mask or dropout needs registers that P holds:
+                o_wait(of, pf)  # P V first (a few tiles of a causal row)
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                             jt * BC, nq, nk, rules, kv_len, mask, kv,
+                             poly)
+            tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
+            rescale(of, al, NO)
+            to_a(pf, sf)
+        if first <= last:  # O_i += P V of the last tile
+            n = last - first
+            tma.wait(bars + uint32(8 * (V_FULL + (n & 1))),
+                     uint32((n >> 1) & 1))
+            o_issue(of, pf, v_desc + v_next * uint64(n & 1))
+            o_wait(of, pf)
+        if eight:  # V's per-tensor scale, on the sum it weighted
             for n in range(NO):
                 for x in range(4):
-                    of[n, x] = F0
-            # the tiles that need no mask: one run, found once here.
-            # Tested tile by tile (int64 bounds of causal, window and
-            # padding), the test sat on each tile's critical path. (Where
-            # three warpgroups share the registers, a tile that is not
-            # full still takes tile_softmax: known_softmax there makes
-            # ptxas spill.)
-            full_lo, full_hi = int32(0), int32(-1)
-            if not rules.use_mask:
-                lo, hi = full_run(i0, i1, first, last, nk, BC, rules, kv)
-                full_lo, full_hi = int32(lo), int32(hi)
-            base = done - first  # tile jt is the block's base + jt th
-            if first <= last:
-                s, phase = done & 1, (done >> 1) & 1
-                tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
-                s_issue(sf, q_desc, k_desc + k_next * uint64(s))
-                s_wait(sf)  # S = Q_i K_first^T
-                tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
-                if TIGHT:
-                    tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0,
-                                 i1, first * BC, nq, nk, rules, kv_len,
-                                 mask, kv, poly)
-                else:
-                    known_softmax(sf, m, l, al, seen, NS, b, row,
-                                  first * BC, nq, nk, rules, kv_len, mask,
-                                  full_lo <= int32(first) <= full_hi, poly)
-                to_a(pf, sf)
-            for jt in range(first + 1, last + 1):
-                # stage and phase by bits: n // 2 % 2 of a signed n costs
-                # a dozen instructions ahead of every tile's products
-                n = base + jt
-                s, phase = n & 1, (n >> 1) & 1
-                ps, p_phase = (n - 1) & 1, ((n - 1) >> 1) & 1  # jt - 1
-                tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
-                s_issue(sf, q_desc, k_desc + k_next * uint64(s))  # S_ij
-                tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
-                o_issue(of, pf, v_desc + v_next * uint64(ps))  # P V_j-1
-                s_wait_one(sf)
-                tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
-                # the softmax of tile jt while P V of tile jt - 1 runs
-                if not TIGHT:
-                    known_softmax(sf, m, l, al, seen, NS, b, row, jt * BC,
-                                  nq, nk, rules, kv_len, mask,
-                                  full_lo <= int32(jt) <= full_hi, poly)
-                    o_wait(of, pf)
-                elif full_lo <= int32(jt) <= full_hi and \
-                        not rules.use_dropout:
-                    plain_softmax(sf, m, l, al, seen, NS, rules, poly)
-                    o_wait(of, pf)
-                else:  # a mask or dropout needs registers that P holds:
-                    o_wait(of, pf)  # P V first (a few tiles of a causal
-                    # row)
-                    tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0,
-                                 i1, jt * BC, nq, nk, rules, kv_len, mask,
-                                 kv, poly)
-                tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
-                rescale(of, al, NO)
-                to_a(pf, sf)
-            if first <= last:  # O_i += P V of the last tile
-                # every product that reads Q_i is done: the producer may
-                # load the next item's while this one finishes
-                tma.arrive(bars + uint32(8 * Q_EMPTY))
-                n = base + last
-                tma.wait(bars + uint32(8 * (V_FULL + (n & 1))),
-                         uint32((n >> 1) & 1))
-                o_issue(of, pf, v_desc + v_next * uint64(n & 1))
-                o_wait(of, pf)
-                tma.arrive(bars + uint32(8 * (V_EMPTY + (n & 1))))
-                done = n + 1
-            if eight:  # V's per-tensor scale, on the sum it weighted
-                for n in range(NO):
-                    for x in range(4):
-                        of[n, x] *= out_scale
-            store_rows(o, lse, of, m, l, seen, bad, b // rules.group, b, row,
-                       lane, nq)
+                    of[n, x] *= out_scale
+        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
 
     if eight:
         @cuda.jit

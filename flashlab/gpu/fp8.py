@@ -142,14 +142,15 @@ class _Plan:
         self.threads = tr.threads
         self.transpose_threads = traits.traits("transpose_keys8", 0,
                                                0).threads
-        self.grid, self.rules = host.launch_shape(tr, call.nq, call.nk,
-                                                  call.bh, call.args[0])
+        self.grid = host.launch_grid(tr, call.nq, call.nk, call.bh,
+                                     call.args[0])
         self.shapes = ((call.bh, call.nq, d), (call.bh_kv, call.nk, d),
                        (call.bh_kv, call.nk, d_v))
         self.keys = max(1, -(-call.nk // 32)) * 32  # V^T's columns
         self.o_shape = (*call.heads, call.nq, d_v)
         self.lse_shape = (*call.heads, call.nq)
         self.bad_shape = device.bad_parts_shape(call.bh_kv, call.nk, d_v)
+        self.rules = call.args[0]
         self.tau = float(self.rules.scale)
         self.empty = not (call.bh and call.nq)
         self.device = q.device  # read once: each reading makes an object

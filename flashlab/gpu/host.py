@@ -150,10 +150,9 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
             if dtype in HALF_BITS:
                 arrays[3] = _pairs(o_k)  # 16-bit pairs
             arrays.append(call.bad_parts(vk, dtype))
-        grid, rules = launch_shape(tr, call.nq, call.nk, call.bh,
-                                   call.args[0])
-        kernel(name, d, d_v)[grid, threads, call.stream](
-            *arrays, rules, *call.args[1:])
+        kernel(name, d, d_v)[
+            launch_grid(tr, call.nq, call.nk, call.bh, call.args[0]), threads,
+            call.stream](*arrays, *call.args)
         if version not in TENSOR_CORE_VERSIONS:
             call.finish(o_k, lse_k, vk)
     o = call.result(o, (*call.heads, call.nq, d_v))
@@ -185,25 +184,15 @@ def launch_grid(tr, nq, nk, heads, rules, keys=False):
     rows the queries (or with keys=True the keys); for a placed kernel,
     as many heads started together as flashlab.order's model of this
     GPU chooses for the blocks' tiles under these rules (KernelRules)."""
-    return launch_shape(tr, nq, nk, heads, rules, keys)[0]
-
-
-def launch_shape(tr, nq, nk, heads, rules, keys=False):
-    """(launch_grid's grid, rules): a persistent kernel's rules carry the
-    heads its items take together (the grid cannot: it is one block a
-    slot)."""
-    together, slots = 1, None
+    together = 1
     if tr.placed:
         bq, bk = (tr.bc, tr.br) if keys else (tr.br, tr.bc)
         index = masks.Index(bool(rules.causal), int(rules.offset),
                             int(rules.left), int(rules.right))
-        slots = _multiprocessors() * tr.blocks_per_sm
-        together = block_order.for_launch(nq, nk, bq, bk, index, heads,
-                                          slots, keys, tr.persistent)
-    grid = tr.grid(nk if keys else nq, heads, together, slots)
-    if tr.persistent:
-        rules = rules._replace(together=together)
-    return grid, rules
+        together = block_order.for_launch(
+            nq, nk, bq, bk, index, heads,
+            _multiprocessors() * tr.blocks_per_sm, keys)
+    return tr.grid(nk if keys else nq, heads, together)
 
 
 def _multiprocessors():
@@ -816,10 +805,9 @@ class _ForwardPlan:
         self.o_shape = (*call.heads, call.nq, d_v)
         self.lse_shape = (*call.heads, call.nq)
         self.bad_shape = device.bad_parts_shape(call.bh_kv, call.nk, d_v)
-        self.grid, self.rules = launch_shape(tr, call.nq, call.nk, call.bh,
-                                             call.args[0])
+        self.grid = launch_grid(tr, call.nq, call.nk, call.bh, call.args[0])
         self.find_grid = self.bad_shape[1::-1]  # (chunks, BH_kv)
-        self.constants = call.args[1:]
+        self.rules, self.constants = call.args[0], call.args[1:]
         # read once: each reading of q.device makes a new object
         self.device, self.dtype = q.device, q.dtype
         self.stream_of = stream_reader(q)
@@ -834,7 +822,7 @@ class _ForwardPlan:
         self.main = kernel(name, d, d_v).pack(
             self._bits(q).view(call.bh, call.nq, d),
             self._bits(k).view(call.bh_kv, call.nk, d), v3, o3,
-            lse.view(call.bh, call.nq), bad, self.rules, *self.constants)
+            lse.view(call.bh, call.nq), bad, *call.args)
 
     def _bits(self, x):
         """x as the kernels read it: 16-bit values as int16 bits."""

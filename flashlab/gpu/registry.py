@@ -64,9 +64,6 @@ class Kernel(NamedTuple):
     # grid is order.grid's (heads together, ranks, groups), not (ranks,
     # heads)
     placed: bool = False
-    # its blocks are slots that take items in turn (order.slot_item,
-    # order.item): the grid is order.persistent_grid's
-    persistent: bool = False
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -127,7 +124,7 @@ KERNELS = (
              (dtype,), TENSOR_DIMS, (9, 0), None,
              max_registers=forward_v8.max_registers, version=8,
              max_cc=(9, 0), shared=forward_v8.shared_bytes,
-             derived=forward_v8.derived, placed=True, persistent=True)
+             derived=forward_v8.derived, placed=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # e4m3 inputs, a bf16 output: flashlab.gpu.attention_fp8
     Kernel("forward_v8_e4m3", forward_v8.make_e4m3, "forward8_tma",
@@ -136,7 +133,7 @@ KERNELS = (
            max_registers=forward_v8.max_registers, version=8,
            max_cc=(9, 0),
            shared=functools.partial(forward_v8.shared_bytes, size=1),
-           derived=forward_v8.derived_e4m3, placed=True, persistent=True),
+           derived=forward_v8.derived_e4m3, placed=True),
     # one thread per own row: 64 or 32 by the head dims (backward.sizes)
     Kernel("backward_kv", backward.make_kv, "backward_kv", _F32,
            threads=None, **_BASE),
@@ -306,7 +303,7 @@ def argument_types(args):
     bytes3 = uint8[:, :, ::1]  # e4m3 values
     f = float32(0)
     rules = typeof(KernelRules(f, False, 0, -1, -1, False, uint64(0),
-                               uint64(0), False, f, f, 1, 1))
+                               uint64(0), False, f, f, 1))
     common = (rules, int64[::1], uint8[:, :, ::1])
     lists = {
         "forward": (a3, a3, a3, a3, a2, *common),

@@ -35,7 +35,6 @@ class Traits(NamedTuple):
     max_registers: int  # the assembler's cap per thread (None: no cap)
     returns: tuple  # the arguments it writes, in order
     placed: bool  # its grid is flashlab.order.grid's (registry.Kernel)
-    persistent: bool = False  # its blocks are slots (order.slot_item)
 
     @property
     def tile(self):
@@ -52,15 +51,11 @@ class Traits(NamedTuple):
         return max(1, min(SM_SHARED // shared, SM_THREADS // self.threads,
                           SM_REGISTERS // registers))
 
-    def grid(self, n, heads, together=1, slots=None):
+    def grid(self, n, heads, together=1):
         """The launch grid over n own rows (queries, or keys for dK and
         dV) of `heads` batch elements: (ranks, heads), or for a placed
-        kernel order.grid's, `together` heads started at once, or for a
-        persistent one a block for each of `slots` (at most one an
-        item)."""
+        kernel order.grid's, `together` heads started at once."""
         ranks = -(-n // self.br)
-        if self.persistent:
-            return order.persistent_grid(ranks, heads, slots)
         if not self.placed:
             return ranks, heads
         return order.grid(ranks, heads, together)
@@ -274,7 +269,7 @@ def traits(name, d, d_v):
                   else spec.shared(d, d_v),
                   max_registers=spec.registers(d, d_v),
                   returns=RETURNS[spec.args], placed=spec.placed,
-                  persistent=spec.persistent, **layout)
+                  **layout)
 
 
 def forward(version, d, d_v):

@@ -70,9 +70,6 @@ full_run = inline(masks.full_run_of(tile_full))
 tile_range = inline(masks.tile_range)
 # a block's head and rank in the order blocks start in
 block_place = inline(order.place)
-# a persistent block's items (flashlab.order)
-work_item = inline(order.item)
-slot_item = inline(order.slot_item)
 
 
 @inline
