@@ -18,6 +18,7 @@ r chunks r and 2 world - 1 - r, which balances the causal work exactly.
 tensors and on NCCL with CUDA tensors; see chapter 11.
 """
 
+import numbers
 import os
 import socket
 import time
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashlab import merge, reference, tiled
+from flashlab._validate import check_count
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -35,6 +37,13 @@ LAYOUTS = ("contiguous", "zigzag")
 def positions(rank, world, n, layout="contiguous"):
     """Global indices (n // world,) of the sequence rows rank r holds."""
     _check_layout(layout)
+    world = check_count("world", world)
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) \
+            or not 0 <= rank < world:
+        raise ValueError(f"rank: expected an integer in [0, {world}), got "
+                         f"{rank!r}")
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"n: expected an integer >= 0, got {n!r}")
     chunks = world if layout == "contiguous" else 2 * world
     if n % chunks:
         raise ValueError(f"n: expected a multiple of {chunks} (the {layout}"
@@ -50,6 +59,10 @@ def positions(rank, world, n, layout="contiguous"):
 
 def split(x, world, layout="contiguous"):
     """The per-rank slices of a full sequence x (..., N, d), rank order."""
+    if len(np.shape(x)) < 2:
+        raise ValueError(f"x: expected (..., N, d), got shape "
+                         f"{tuple(np.shape(x))}")
+    world = check_count("world", world)
     return [x[..., positions(r, world, x.shape[-2], layout), :]
             for r in range(world)]
 
@@ -57,7 +70,13 @@ def split(x, world, layout="contiguous"):
 def join(parts, layout="contiguous"):
     """The full sequence from its per-rank slices (the inverse of split)."""
     world = len(parts)
-    n = sum(p.shape[-2] for p in parts)
+    if world == 0:
+        raise ValueError("parts: expected one slice per rank, got none")
+    rows = {p.shape[-2] for p in parts}
+    if len(rows) != 1:  # split gives every rank as many rows
+        raise ValueError(f"parts: expected slices of equal length (dim "
+                         f"-2), got {[p.shape[-2] for p in parts]}")
+    n = world * rows.pop()
     order = np.concatenate([positions(r, world, n, layout)
                             for r in range(world)])
     stacked = (torch.cat(list(parts), -2) if isinstance(parts[0],

@@ -70,7 +70,7 @@ def flatten(q, k, v, options, added=False):
     args.added, with no boolean mask (its -inf entries refuse); else
     such a mask is refused.
     """
-    shapes = [tuple(x.shape) for x in (q, k, v)]
+    shapes = [tuple(np.shape(x)) for x in (q, k, v)]  # lists too
     q, k, v, plan = tiled.plan(q, k, v, **options)
     group = kernel_group(*shapes)
     if group > 1 and plan.group == 1:  # one K/V head, broadcast by plan

@@ -96,15 +96,27 @@ def _check_same_rows(a, b):
                 f"(summaries of different rows do not merge)")
 
 
-def combine(outs, lses):
+def combine(outs, lses, ls=None):
     """One output from partial results in the form kernels return them.
 
     outs (S, ..., d_v) holds each split's normalized output u_s / l_s and
     lses (S, ...) its log-sum-exp m_s + log l_s (-inf for a split with no
     allowed key). Each is a `Summary` with m = lse, l = 1, u = out, so the
     splits fold with `merge`; returns (out (..., d_v), lse (...)).
+
+    Where |lse| is large (`lse_loses_l`) m_s + log l_s keeps too few of
+    log l_s's digits to weigh the splits (a fully masked row of
+    finfo.min scores has lse == m in every split, whatever its l). With
+    ls (S, ...), lses holds each split's row max m_s instead and ls its
+    l_s: each split is the Summary (m_s, l_s, l_s out_s), exact at any
+    size.
     """
     outs, lses = _float_array("outs", outs), _float_array("lses", lses)
+    if ls is not None:
+        ls = _float_array("ls", ls)
+        if ls.shape != lses.shape:
+            raise ValueError(f"ls: expected shape {lses.shape} (one per "
+                             f"split and row, as lses), got {ls.shape}")
     if outs.ndim < 2:
         raise ValueError(f"outs: expected (S, ..., d_v), one normalized "
                          f"output per split, got shape {outs.shape}")
@@ -115,9 +127,14 @@ def combine(outs, lses):
     if len(outs) == 0:
         raise ValueError("outs: expected at least one split, got none")
     total = None
-    for out, lse in zip(outs, lses):
-        part = Summary(lse, np.where(np.isneginf(lse), 0, 1).astype(
-            out.dtype), np.where(np.isneginf(lse)[..., None], 0, out))
+    for s, (out, lse) in enumerate(zip(outs, lses)):
+        if ls is None:
+            part = Summary(lse, np.where(np.isneginf(lse), 0, 1).astype(
+                out.dtype), np.where(np.isneginf(lse)[..., None], 0, out))
+        else:  # a split with no allowed key (l = 0) adds nothing
+            l = ls[s].astype(out.dtype)
+            part = Summary(lse, l, np.where((l == 0)[..., None], 0,
+                                            out * l[..., None]))
         total = part if total is None else merge(total, part)
     return total.output(), total.lse()
 

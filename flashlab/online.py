@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flashlab import merge
+from flashlab._validate import check_count
 
 
 class Normalized(NamedTuple):
@@ -27,13 +28,18 @@ def _chunks(scores, values, chunk):
     """Yield chunks of `chunk` keys: scores (..., C), values (..., C, d_v)."""
     scores = np.asarray(scores)
     values = np.asarray(values)
+    if scores.ndim < 1:
+        raise ValueError(f"scores: expected (..., C), one per key, got "
+                         f"shape {scores.shape}")
+    if values.ndim < 2:
+        raise ValueError(f"values: expected (..., C, d_v), a row per key, "
+                         f"got shape {values.shape}")
     if scores.shape[-1] != values.shape[-2]:
         raise ValueError(
             f"values: expected {scores.shape[-1]} rows, one per score, got "
             f"{values.shape[-2]}"
         )
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk: expected an integer >= 1, got {chunk!r}")
+    chunk = check_count("chunk", chunk)
     for j0 in range(0, scores.shape[-1], chunk):
         yield scores[..., j0:j0 + chunk], values[..., j0:j0 + chunk, :]
 

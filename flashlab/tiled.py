@@ -218,20 +218,26 @@ def forward_split(q, k, v, o, lse, plan, num_splits, on_tile=None):
     groups = [g for g in np.array_split(np.arange(len(cols)), num_splits)
               if len(g)]
     outs = np.empty((len(groups), *o.shape), dtype=o.dtype)  # workspace
-    lses = np.empty((len(groups), *o.shape[:-1]), dtype=o.dtype)
+    # each split's row max and sum, not m + log l: at large |m| that sum
+    # rounds to m and the splits could no longer be weighed
+    ms = np.empty((len(groups), *o.shape[:-1]), dtype=o.dtype)
+    ls = np.empty_like(ms)
     for s, group in enumerate(groups):
-        forward_fa2(q, k, v, outs[s], lses[s], plan, on_tile,
-                    key_blocks=[cols[j] for j in group])
-    o[...], combined = merge.combine(outs, lses)
+        forward_fa2(q, k, v, outs[s], ms[s], plan, on_tile,
+                    key_blocks=[cols[j] for j in group], l=ls[s])
+    o[...], combined = merge.combine(outs, ms, ls)
     if lse is not None:
         lse[...] = combined
 
 
-def forward_fa2(q, k, v, o, lse, plan, on_tile=None, key_blocks=None):
+def forward_fa2(q, k, v, o, lse, plan, on_tile=None, key_blocks=None,
+                l=None):
     """FlashAttention-2 order: query blocks outer, K/V blocks inner.
 
     lse may be None when the statistics are not needed (inference).
-    key_blocks: the K/V blocks to visit (default: all of them).
+    key_blocks: the K/V blocks to visit (default: all of them). With l,
+    lse receives each row's max m and l its sum l (merge.combine's form
+    for splits).
     """
     d_v = v.shape[-1]
     if key_blocks is None:
@@ -250,7 +256,10 @@ def forward_fa2(q, k, v, o, lse, plan, on_tile=None, key_blocks=None):
             if on_tile is not None:
                 on_tile(Tile(rows, cols, s_ij, before, state))
         o[..., rows.start:rows.stop, :] = state.output()  # one division
-        if lse is not None:  # kept for the backward pass
+        if l is not None:  # a split's summary, for merge.combine
+            lse[..., rows.start:rows.stop] = state.m
+            l[..., rows.start:rows.stop] = state.l
+        elif lse is not None:  # kept for the backward pass
             lse[..., rows.start:rows.stop] = state.lse()
 
 

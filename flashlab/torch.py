@@ -217,7 +217,10 @@ def _encode(options):
     """options (keywords that are not tensors) as the op's JSON string."""
     key = (tuple(options), tuple(map(_hashable, options.values())),
            tuple(map(type, options.values())))  # 1 is not True
-    text = _encoded.get(key)
+    try:
+        text = _encoded.get(key)
+    except TypeError:  # an unhashable value: the checks below name it
+        text, key = None, None
     if text is None:
         for name, x in options.items():
             try:
@@ -227,7 +230,8 @@ def _encode(options):
                     f"{name}: expected a number, string, None or a list of"
                     f" them, got {type(x).__name__} {x!r}") from None
         text = json.dumps(dict(options), sort_keys=True, default=_plain)
-        _remember(_encoded, key, text)
+        if key is not None:
+            _remember(_encoded, key, text)
         _remember(_decoded, text, json.loads(text))
     return text
 
@@ -287,6 +291,7 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     """
     return_lse = check_flag("return_lse", return_lse)
     deterministic = check_flag("deterministic", deterministic)
+    is_causal = check_flag("is_causal", is_causal)  # as SDPA: a bool
     q, k, v = query, key, value
     # dynamo traces the plain checks and the JSON, not the fast paths
     compiling = torch.compiler.is_compiling()

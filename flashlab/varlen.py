@@ -23,6 +23,7 @@ def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *, backend=tiled,
     """o (total_q, H, d_v) of every sequence; lse (total_q, H) too if
     return_lse. options: the keywords of `tiled.attention` but mask and
     kv_lengths; dropout draws an independent stream per sequence."""
+    q, k, v = _arrays(q, k, v)
     spans = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     # a sequence without keys has rows without keys: 0, lse -inf
     o = np.zeros((q.shape[0], q.shape[1], v.shape[-1]), dtype=q.dtype)
@@ -40,6 +41,7 @@ def attention_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *,
                        backend=tiled, **options):
     """(dq, dk, dv) in the packed layout; dK, dV summed over a group's
     query heads when k and v have fewer heads."""
+    q, k, v, o, lse, do = _arrays(q, k, v, o, lse, do)
     spans = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     dq, dk, dv = (np.zeros_like(x) for x in (q, k, v))
     for b, (rq, rk) in enumerate(spans):
@@ -50,6 +52,12 @@ def attention_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, *,
             np.swapaxes(do[rq], 0, 1), **sequence_options(options, b))
         dq[rq], dk[rk], dv[rk] = (np.swapaxes(x, 0, 1) for x in g)
     return dq, dk, dv
+
+
+def _arrays(*xs):
+    """Nested lists as numpy arrays; arrays of any kind (numpy, device,
+    torch) as they are, for the backend."""
+    return [x if hasattr(x, "shape") else np.asarray(x) for x in xs]
 
 
 def spans(cu_seqlens, total, name):
@@ -76,14 +84,14 @@ def check_packed(q, k, v, cu_q, cu_k, options):
         if np.ndim(x) != 3:
             raise ValueError(f"{name}: expected (total, heads, d), got "
                              f"shape {np.shape(x)}")
+    sq, sk = np.shape(q), np.shape(k)  # nested lists have shapes too
     for name, x in (("k", k), ("v", v)):
-        if x.shape[1] != k.shape[1] or x.shape[1] == 0 or (
-                q.shape[1] % x.shape[1]):
+        sx = np.shape(x)
+        if sx[1] != sk[1] or sx[1] == 0 or sq[1] % sx[1]:
             raise ValueError(f"{name}: expected a number of heads (dim 1) "
-                             f"dividing q's {q.shape[1]}, got shape "
-                             f"{x.shape}")
-    rq = spans(cu_q, q.shape[0], "cu_seqlens_q")
-    rk = spans(cu_k, k.shape[0], "cu_seqlens_k")
+                             f"dividing q's {sq[1]}, got shape {sx}")
+    rq = spans(cu_q, sq[0], "cu_seqlens_q")
+    rk = spans(cu_k, sk[0], "cu_seqlens_k")
     if len(rq) != len(rk):
         raise ValueError(f"cu_seqlens_k: expected {len(rq)} sequences like "
                          f"cu_seqlens_q, got {len(rk)}")

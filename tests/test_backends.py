@@ -8,6 +8,7 @@ naive float32 attention, plus rounding per merged key block
 """
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,3 +81,31 @@ def test_every_backend_agrees_with_the_reference(call):
     _, tile = gpu.tile_shape(gpu.DEFAULT_VERSION, 16, v.shape[-1])
     merges = -(-k.shape[-2] // tile)
     assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_kv_is_exact_at_huge_scores(rng, splits):
+    # a row of finfo.min (a fully masked row of an additive mask) and rows
+    # of equal huge scores: the splits' m + log l all round to m, so they
+    # must be weighed by their sums l, as the single pass does
+    n = 19
+    q, k = (rng.standard_normal((1, n, 8)).astype(np.float32)
+            for _ in range(2))
+    v = rng.standard_normal((1, n, 4)).astype(np.float32)
+    bias = np.zeros((n, n), np.float32)
+    bias[2] = np.finfo(np.float32).min
+    want = reference.attention(q, k, v, mask=bias)
+    assert np.max(np.abs(want[0, 2] - v[0].mean(axis=0))) < 1e-6
+    got = tiled.attention(q, k, v, mask=bias, block_k=8, num_splits=splits)
+    assert np.max(np.abs(got - want)) < 1e-5
+    ones = np.ones((1, n, 1), np.float32)
+    for score in (1e6, 3e38):
+        keys = np.full((1, n, 1), score, np.float32)
+        want = reference.attention(ones, keys, v, scale=1.0)
+        got = tiled.attention(ones, keys, v, scale=1.0, block_k=8,
+                              num_splits=splits)
+        assert np.max(np.abs(got - want)) < 1e-5, score
+        out = fl_torch.attention(*(torch.from_numpy(x)
+                                   for x in (ones, keys, v)), scale=1.0,
+                                 num_splits=splits)
+        assert np.max(np.abs(out.numpy() - want)) < 1e-5, score

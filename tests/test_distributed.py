@@ -206,3 +206,22 @@ def test_stored_ring_traffic_matches_the_count():
         want = bench_ring.predicted_bytes(r["world"], r["n"], r["backward"])
         assert r["sent_bytes"] == r["predicted_bytes"] == want
     assert "GPUs" in bench_ring.table(rows)
+
+
+def test_positions_split_and_join_name_bad_ranks_and_parts():
+    for rank, world in ((2, 2), (-1, 2), (True, 2)):
+        with pytest.raises(ValueError, match="rank: expected an integer"):
+            distributed.positions(rank, world, 8)
+    for world in (0, -2):
+        with pytest.raises(ValueError, match="world: expected an integer"):
+            distributed.positions(0, world, 8)
+    with pytest.raises(ValueError, match="n: expected an integer >= 0"):
+        distributed.positions(0, 2, -4)
+    assert distributed.positions(np.int64(1), 2, 8).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="x: expected"):
+        distributed.split(np.arange(8.0), 2)
+    x = np.arange(24.0).reshape(8, 3)
+    with pytest.raises(ValueError, match="parts: expected slices of equal"):
+        distributed.join([x, x[:4]], "zigzag")
+    with pytest.raises(ValueError, match="parts: expected one slice"):
+        distributed.join([])

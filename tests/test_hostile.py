@@ -550,3 +550,24 @@ def test_threads_at_once_give_what_one_at_a_time_gives(rng):
     for a, t in zip(alone * 2, together):
         for x, y in zip(a, t):
             assert np.array_equal(x, y)
+
+
+def test_nested_lists_and_none_reach_the_named_checks(rng):
+    # the numba and packed entries read shapes as tiled does: lists are
+    # arrays, None is named
+    from flashlab import varlen
+
+    q = rng.standard_normal((2, 10, 4))
+    want = tiled.attention(q, q, q)
+    got = cpu.attention(q.tolist(), q.tolist(), q.tolist())
+    assert np.max(np.abs(got - want)) < 1e-12
+    with pytest.raises(TypeError, match="q: expected a float32"):
+        cpu.attention(None, q, q)
+    packed = np.swapaxes(q, 0, 1)  # (10 rows, 2 heads, 4)
+    cu = np.array([0, 4, 10])
+    want = varlen.attention(packed, packed, packed, cu, cu)
+    got = varlen.attention(*(packed.tolist(),) * 3, cu, cu)
+    assert np.max(np.abs(got - want)) < 1e-12
+    with pytest.raises(ValueError, match="q: expected \\(total, heads"):
+        varlen.attention(None, packed, packed, cu, cu)
+

@@ -187,6 +187,41 @@ def test_combine_equals_merging_summaries_and_handles_empty_splits(rng):
     assert np.max(np.abs(again - out)) < 1e-12
 
 
+def test_combine_with_each_splits_sum_weighs_splits_at_huge_scores(rng):
+    # float32 rows whose scores are all 3e38 (or finfo.min, a fully masked
+    # row of an additive mask): m + log l rounds to m in every split, so
+    # (out, lse) cannot weigh the splits; (out, m, l) can
+    for score in (3e38, float(np.finfo(np.float32).min), 1e6):
+        s = np.full((2, 40), score, np.float32)
+        v = rng.standard_normal((40, 3)).astype(np.float32)
+        cuts = [0, 8, 30, 40]  # splits of 8, 22 and 10 keys
+        parts = [merge.summarize(s[:, a:b], v[a:b])
+                 for a, b in zip(cuts, cuts[1:])]
+        outs = np.stack([p.output() for p in parts])
+        want = v.astype(np.float64).mean(axis=0)  # equal scores: the mean
+        out, _ = merge.combine(outs, np.stack([p.m for p in parts]),
+                               np.stack([p.l for p in parts]))
+        assert np.max(np.abs(out - want)) < 1e-6, score
+        if score != 1e6:  # the form with lse alone cannot tell them apart
+            lossy, _ = merge.combine(outs, np.stack([p.lse()
+                                                     for p in parts]))
+            assert np.max(np.abs(lossy - want)) > 1e-2
+    # a split with no allowed key (m = -inf, l = 0) adds nothing
+    s = rng.standard_normal((3, 12))
+    v = rng.standard_normal((12, 2))
+    s[:, :5] = -np.inf
+    parts = [merge.summarize(s[:, :5], v[:5]), merge.summarize(s[:, 5:],
+                                                               v[5:])]
+    out, lse = merge.combine(np.stack([p.output() for p in parts]),
+                             np.stack([p.m for p in parts]),
+                             np.stack([p.l for p in parts]))
+    whole = merge.summarize(s, v)
+    assert np.max(np.abs(out - whole.output())) < 1e-12
+    assert np.max(np.abs(lse - whole.lse())) < 1e-12
+    with pytest.raises(ValueError, match="ls: expected shape"):
+        merge.combine(np.zeros((2, 3, 4)), np.zeros((2, 3)), np.ones(2))
+
+
 def test_combine_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="lses: expected shape"):
         merge.combine(np.zeros((2, 3, 4)), np.zeros((2, 4)))

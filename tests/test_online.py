@@ -45,3 +45,13 @@ def test_bad_arguments():
         online.stream(SEED_000_SCORES, SEED_000_VALUES, 0)
     with pytest.raises(ValueError, match="values"):
         online.stream(SEED_000_SCORES, SEED_000_VALUES[:5], 2)
+    with pytest.raises(TypeError, match="chunk: expected an integer"):
+        online.stream(SEED_000_SCORES, SEED_000_VALUES, 1.5)
+    with pytest.raises(ValueError, match="values: expected \\(\\.\\.\\., C"):
+        online.stream(SEED_000_SCORES, SEED_000_VALUES[:, 0], 2)
+    with pytest.raises(ValueError, match="scores: expected"):
+        online.stream(np.float64(1.0), SEED_000_VALUES, 2)
+    # a numpy integer is a size as any other
+    assert len(online.stream(SEED_000_SCORES, SEED_000_VALUES,
+                             np.int64(2))) == len(
+        online.stream(SEED_000_SCORES, SEED_000_VALUES, 2))

@@ -210,6 +210,20 @@ def test_unsupported_names_the_reason():
     assert cpu.unsupported(shape, (3, 5, 4), (3, 5, 4)).startswith("k, v")
 
 
+def test_is_causal_and_unhashable_options_are_refused_by_name():
+    q, k, v = torch.randn(2, 10, 4), torch.randn(2, 12, 4), torch.randn(2,
+                                                                     12, 4)
+    # SDPA takes a bool; "bottom_right" here is not flashlab's causal=
+    for bad in ("no", 1, "bottom_right", [0]):
+        with pytest.raises(TypeError, match="is_causal: expected True"):
+            fl_torch.attention(q, k, v, is_causal=bad)
+    for window in (np.array([1, 2]), {1, 2}):
+        with pytest.raises(TypeError, match="window: expected"):
+            fl_torch.attention(q, k, v, window=window)
+    assert torch.equal(fl_torch.attention(q, k, v, is_causal=True),
+                       fl_torch.attention(q, k, v, causal=True))
+
+
 def _sdpa_math(*args, **kw):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
