@@ -12,7 +12,11 @@ FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 def as_float_array(name, x):
     """Return `x` as a float32/float64 ndarray, or raise naming `name`."""
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # nested sequences of different lengths
+        raise ValueError(f"{name}: expected an array of one shape, got "
+                         f"ragged sequences") from None
     if arr.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name}: expected a float32 or float64 array, got dtype "
@@ -56,8 +60,9 @@ def check_qkv(q, k, v):
     return q, k, v
 
 
-def check_scale(scale, d):
-    """Return the score scale: 1/sqrt(d) for None, else a finite float."""
+def check_scale(scale, d, dtype=None):
+    """Return the score scale: 1/sqrt(d) for None, else a finite float
+    (finite in dtype too, where given: the scores are scaled in it)."""
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
@@ -66,6 +71,11 @@ def check_scale(scale, d):
         )
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if dtype is not None and abs(scale) > float(np.finfo(dtype).max):
+        raise ValueError(
+            f"scale: expected a number that {np.dtype(dtype)} (q's dtype) "
+            f"holds, at most {np.finfo(dtype).max:.4g} in size, got "
+            f"{scale!r}")
     return float(scale)
 
 

@@ -82,9 +82,10 @@ def ring_transfers(world, n_local, d, d_v=None):
 
     Forward: world - 1 hops of a K/V slice, n_local (d + d_v) each.
     Backward: world - 1 hops of K, V, dK, dV, and one last hop of dK, dV
-    back to their own rank. Times batch x heads for the whole call; the
-    same for every rank and layout. See chapter 11.
+    back to their own rank (none in a ring of one: they are home). Times
+    batch x heads for the whole call; the same for every rank and layout.
+    See chapter 11.
     """
     d_v = d if d_v is None else d_v
     kv = n_local * (d + d_v)
-    return (world - 1) * kv, (2 * (world - 1) + 1) * kv
+    return (world - 1) * kv, (2 * (world - 1) + (world > 1)) * kv

@@ -3,12 +3,14 @@
 Each rank of a torch.distributed group holds one slice of the sequence:
 its rows of q, k and v. The K/V slices travel round the ring, one hop per
 step, sent while the rank computes on the slice it holds; each rank turns
-every slice that reaches it into a partial (out, lse) for its own query
-rows and folds it in with `merge.combine`, the same merge as the tiles of
-chapter 4 and the splits of `tiled.forward_split`. After world - 1 hops
-every query has met every key. The backward pass is exact too: dK and dV
-of a slice travel round the ring with it, every rank adding what its
-queries contribute, and a last hop brings them home.
+every slice that reaches it into a partial (out, m, l) for its own query
+rows (the rows' max and sum, exact where m + log l would round log l
+away) and folds it in with `merge.combine`, the same merge as the tiles
+of chapter 4 and the splits of `tiled.forward_split`. After world - 1
+hops every query has met every key. The backward pass is exact too: each
+piece's P comes from the whole rows' (m, l); dK and dV of a slice travel
+round the ring with it, every rank adding what its queries contribute,
+and a last hop brings them home.
 
 Layouts: "contiguous" gives rank r the r-th slice of the sequence; under
 a causal mask rank 0 then has almost nothing to do and the last rank
@@ -229,31 +231,39 @@ class _Ring(torch.autograd.Function):
         local = _LOCAL[q.device.type]
         k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()
         q = q.detach()
-        # the merge identity: every row starts as "no key seen yet"
+        # the merge identity: every row starts as "no key seen yet"; the
+        # rows carry their max m and sum l, not m + log l, whose rounding
+        # at large |m| would misweigh the pieces (merge.combine)
         o = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=local.wide(
             q.dtype), device=q.device)
-        lse = torch.full(q.shape[:-1], -torch.inf, dtype=o.dtype,
-                         device=q.device)
+        m = torch.full(q.shape[:-1], -torch.inf, dtype=o.dtype,
+                       device=q.device)
+        l = torch.zeros_like(m)
         for step in range(ring.world):
             if step < ring.world - 1:  # next slice travels while we work
                 pending = ring.pass_on(k_cur, v_cur)
             for rows, cols, flag in ring.pieces(step, causal):
-                o_s, lse_s = local.forward(
-                    q[..., rows, :], k_cur[..., cols, :],
-                    v_cur[..., cols, :], scale=scale, causal=flag)
-                o[..., rows, :], lse[..., rows] = local.combine(
-                    torch.stack([o[..., rows, :], o_s.to(o.dtype)]),
-                    torch.stack([lse[..., rows], lse_s.to(o.dtype)]))
+                piece = (q[..., rows, :], k_cur[..., cols, :],
+                         v_cur[..., cols, :])
+                o_s, lse_s = local.forward(*piece, scale=scale,
+                                           causal=flag)
+                m_s, l_s = local.statistics(*piece, lse_s, scale=scale,
+                                            causal=flag)
+                o[..., rows, :], m[..., rows], l[..., rows] = \
+                    local.combine(*(torch.stack([x, y.to(o.dtype)]) for
+                                    x, y in ((o[..., rows, :], o_s),
+                                             (m[..., rows], m_s),
+                                             (l[..., rows], l_s))))
             if step < ring.world - 1:
                 k_cur, v_cur = ring.receive(pending)
         o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, m, l)
         ctx.options = (causal, scale, layout, group)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, m, l = ctx.saved_tensors
         causal, scale, layout, group = ctx.options
         ring = _Peers(group, q.shape[-2], layout)
         local = _LOCAL[q.device.type]
@@ -263,7 +273,7 @@ class _Ring(torch.autograd.Function):
         # at the wide width)
         runs = local.backward_dtype(q.dtype, q.shape[-1], v.shape[-1])
         q, o, do = (x.to(runs).contiguous() for x in (q, o, do))
-        lse = lse.to(wide)
+        m, l = m.to(wide), l.to(wide)
         dq = torch.zeros_like(q, dtype=wide)
         # K/V travel at their own width, their gradients at the wide one
         k_cur, v_cur = k.detach().contiguous(), v.detach().contiguous()
@@ -271,12 +281,13 @@ class _Ring(torch.autograd.Function):
                           for x in (k_cur, v_cur))
         for step in range(ring.world):
             for rows, cols, flag in ring.pieces(step, causal):
-                # the global o and lse make each piece's share exact
+                # the global o, m and l make each piece's share exact
+                # (the piece's keys alone would give its own m and l)
                 g_q, g_k, g_v = local.backward(
                     q[..., rows, :], k_cur[..., cols, :].to(runs),
                     v_cur[..., cols, :].to(runs), o[..., rows, :],
-                    lse[..., rows], do[..., rows, :], scale=scale,
-                    causal=flag)
+                    m[..., rows], do[..., rows, :], scale=scale,
+                    causal=flag, l=l[..., rows])
                 dq[..., rows, :] += g_q
                 dk_cur[..., cols, :] += g_k
                 dv_cur[..., cols, :] += g_v
@@ -353,14 +364,19 @@ class _CPU:
         return torch.from_numpy(o), torch.from_numpy(lse)
 
     @staticmethod
-    def backward(*tensors, **options):
-        return [torch.from_numpy(g) for g in tiled.attention_backward(
-            *_numpy(*tensors), **options)]
+    def statistics(q, k, v, lse, **options):
+        return (torch.from_numpy(x) for x in tiled.attention_statistics(
+            *_numpy(q, k, v, lse), **options))
 
     @staticmethod
-    def combine(outs, lses):
-        o, lse = merge.combine(outs.numpy(), lses.numpy())
-        return torch.from_numpy(o), torch.from_numpy(lse)
+    def backward(*tensors, l, **options):
+        return [torch.from_numpy(g) for g in tiled.attention_backward(
+            *_numpy(*tensors), l=_numpy(l)[0], **options)]
+
+    @staticmethod
+    def combine(outs, ms, ls):
+        return (torch.from_numpy(x) for x in merge.combine(
+            *_numpy(outs, ms, ls)))
 
 
 class _Cuda:
@@ -396,6 +412,13 @@ class _Cuda:
             return gpu.attention(q, k, v, return_lse=True, **options)
 
     @staticmethod
+    def statistics(q, k, v, lse, **options):
+        from flashlab import gpu
+
+        with _on_gpu(q):
+            return gpu.attention_statistics(q, k, v, lse, **options)
+
+    @staticmethod
     def backward(*tensors, **options):
         from flashlab import gpu
 
@@ -403,11 +426,11 @@ class _Cuda:
             return gpu.attention_backward(*tensors, **options)
 
     @staticmethod
-    def combine(outs, lses):
+    def combine(outs, ms, ls):
         from flashlab import gpu
 
         with _on_gpu(outs):
-            return gpu.combine(outs, lses)
+            return gpu.combine(outs, ms, ls)
 
 
 _LOCAL = {"cpu": _CPU, "cuda": _Cuda}

@@ -259,6 +259,8 @@ def allowed_range(x, keys_in_rows, nq, nk, r, kv_len):
 def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
           align=None):
     """Validate the masking arguments of an attention call into `Rules`."""
+    if isinstance(causal, np.bool_):  # numpy's bools, as check_flag takes
+        causal = bool(causal)
     if not any(causal is c or (isinstance(causal, str) and causal == c)
                for c in (None, *CAUSAL_MODES)):
         raise ValueError(

@@ -2,7 +2,8 @@
 
 The benchmark tables and ceilings in `flashlab/data/` were measured with
 `python -m flashlab.bench` (tensor_h200: `--tensor-cores`, decode_h200:
-`--decode`, ring_h200x2: `--ring` on two GPUs; launch_h200 with
+`--decode`, ring_h200x2 and ring_h200: `--ring` on two GPUs and on
+one; launch_h200 with
 `python -m flashlab.launch_cost`, gpt_h200 with `--gpt`; hopper_h200,
 hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
 `--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
@@ -29,7 +30,8 @@ from importlib import resources
 FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "bench_h200.txt", "ceilings_h200.txt", "resources_h200.txt",
          "tensor_h200.csv", "tensor_h200.json", "profile_h200.txt",
-         "decode_h200.csv", "ring_h200x2.json", "launch_h200.json",
+         "decode_h200.csv", "ring_h200x2.json", "ring_h200.json",
+         "launch_h200.json",
          "gpt_h200.csv", "hopper_h200.csv", "hopper_h200.json",
          "hopper_backward_h200.csv", "hopper_fp8_h200.csv",
          "hopper_fused_order_h200.csv",

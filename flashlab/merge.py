@@ -109,7 +109,8 @@ def combine(outs, lses, ls=None):
     finfo.min scores has lse == m in every split, whatever its l). With
     ls (S, ...), lses holds each split's row max m_s instead and ls its
     l_s: each split is the Summary (m_s, l_s, l_s out_s), exact at any
-    size.
+    size, and the result is (out, m, l) in that form, so that a running
+    fold (ring attention's) stays exact too.
     """
     outs, lses = _float_array("outs", outs), _float_array("lses", lses)
     if ls is not None:
@@ -136,6 +137,8 @@ def combine(outs, lses, ls=None):
             part = Summary(lse, l, np.where((l == 0)[..., None], 0,
                                             out * l[..., None]))
         total = part if total is None else merge(total, part)
+    if ls is not None:
+        return total.output(), total.m, total.l
     return total.output(), total.lse()
 
 

@@ -118,7 +118,7 @@ def plan(q, k, v, *, block_q=None, block_k=None, scale=None, causal=False,
         nk=nk,
         block_q=min(check_block("block_q", block_q, BLOCK), nq),
         block_k=min(check_block("block_k", block_k, BLOCK), nk),
-        scale=check_scale(scale, q.shape[-1]),
+        scale=check_scale(scale, q.shape[-1], q.dtype),
         rules=masks.rules(causal, window, kv_lengths, mask, batch, nq, nk,
                           align),
         dropout=dropout.make(dropout_p, seed, batch),
@@ -225,9 +225,9 @@ def forward_split(q, k, v, o, lse, plan, num_splits, on_tile=None):
     for s, group in enumerate(groups):
         forward_fa2(q, k, v, outs[s], ms[s], plan, on_tile,
                     key_blocks=[cols[j] for j in group], l=ls[s])
-    o[...], combined = merge.combine(outs, ms, ls)
+    o[...], m, l = merge.combine(outs, ms, ls)
     if lse is not None:
-        lse[...] = combined
+        lse[...] = merge.Summary(m, l, o).lse()
 
 
 def forward_fa2(q, k, v, o, lse, plan, on_tile=None, key_blocks=None,
@@ -297,7 +297,7 @@ def forward_fa1(q, k, v, o, l, m, plan, on_tile=None):
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
-                       order="fa2", align=None):
+                       order="fa2", align=None, l=None):
     """Gradients (dq, dk, dv) of attention, recomputing tiles. See chapter 8.
 
     Needs only the forward's output o (..., Nq, d_v) and row log-sum-exp
@@ -305,6 +305,11 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     keywords of `attention` (dropout with the same seed). Both forward
     orders have this one backward loop (K/V blocks outermost), so `order`
     only names the forward it follows.
+
+    With l (..., Nq), lse holds each row's max m and l its sum (the form
+    `merge.combine` returns given ls): P = exp(S - m) / l with no pass
+    to recover them, exact at any size, and right where these keys are
+    only part of the row's (ring attention's pieces).
     """
     check_order(order)
     shapes = [np.shape(x) for x in (q, k, v)]  # the gradients' shapes
@@ -316,25 +321,61 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         g = plan_.group
         q_heads = np.broadcast_to(q.dtype.type(0), heads.join(q).shape)
         o, lse, do = check_saved(q_heads, v[..., 0, :, :], o, lse, do)
+        l = check_norms(l, lse)
         o, do = heads.split(o, g), heads.split(do, g)
         lse = heads.split(lse[..., None], g)[..., 0]
+        if l is not None:
+            l = heads.split(l[..., None], g)[..., 0]
     else:
         o, lse, do = check_saved(q, v, o, lse, do)
+        l = check_norms(l, lse)
     dq, dk, dv = np.zeros_like(q), np.empty_like(k), np.empty_like(v)
-    backward(q, k, v, o, lse, do, dq, dk, dv, plan_)
+    backward(q, k, v, o, lse, do, dq, dk, dv, plan_, l)
     if plan_.group > 1:  # back to the callers' heads
         return heads.join(dq), dk[..., 0, :, :], dv[..., 0, :, :]
     # a broadcast input's gradient sums over the dims it was stretched on
     return tuple(heads.sum_to(x, s) for x, s in zip((dq, dk, dv), shapes))
 
 
-def backward(q, k, v, o, lse, do, dq, dk, dv, plan):
+def attention_statistics(q, k, v, lse, *, scale=None, causal=False,
+                         mask=None, window=None, kv_lengths=None,
+                         align=None):
+    """(m, l) (..., Nq): each row's max and sum, P = exp(S - m) / l, from
+    the forward's lse (..., Nq) and the keywords it ran with.
+
+    (lse, 1) where lse holds P exactly (every row, usually); the row's own
+    where it does not (`merge.lse_loses_l`), from one pass over its
+    scores. With them a row's results over parts of its keys merge
+    exactly at any size (`merge.combine` given ls), as ring attention's
+    pieces do.
+    """
+    q, k, v, plan_ = plan(q, k, v, scale=scale, causal=causal, mask=mask,
+                          window=window, kv_lengths=kv_lengths,
+                          align=align)
+    g = plan_.group
+    rows = heads.join(q).shape[:-1] if g > 1 else q.shape[:-1]
+    lse = as_float_array("lse", lse)
+    if lse.shape != rows:
+        raise ValueError(f"lse: expected shape {rows}, got {lse.shape}")
+    if g > 1:  # to the grouped heads of q and back
+        m, l = row_statistics(q, k, heads.split(
+            lse[..., None], g)[..., 0].astype(q.dtype), plan_)
+        return heads.join(m[..., None])[..., 0], \
+            heads.join(l[..., None])[..., 0]
+    return row_statistics(q, k, lse.astype(q.dtype), plan_)
+
+
+def backward(q, k, v, o, lse, do, dq, dk, dv, plan, l=None):
     """FlashAttention-2 backward: K/V blocks outer, query blocks inner.
 
-    dK_j, dV_j accumulate on chip; dQ_i accumulates in slow memory.
+    dK_j, dV_j accumulate on chip; dQ_i accumulates in slow memory. With
+    l, lse is the rows' max m (see `attention_backward`).
     """
     delta = (do * o).sum(axis=-1)  # D_i = rowsum(dO * O) (..., Nq)
-    m, l = row_statistics(q, k, lse, plan)  # P = exp(S - m) / l
+    if l is None:
+        m, l = row_statistics(q, k, lse, plan)  # P = exp(S - m) / l
+    else:
+        m = lse
     for cols in blocks(plan.nk, plan.block_k):
         k_j, v_j = load_kv(k, v, cols)  # (..., Bc, d), (..., Bc, d_v)
         dk_j = np.zeros_like(k_j)
@@ -390,6 +431,20 @@ def row_statistics(q, k, lse, plan):
         m[..., r] = np.where(lossy[..., r], state.m, m[..., r])
         l[..., r] = np.where(lossy[..., r], state.l, l[..., r])
     return m, l
+
+
+def check_norms(l, lse):
+    """l as a float array of lse's shape and dtype (None stays None)."""
+    if l is None:
+        return None
+    l = as_float_array("l", l)
+    if l.shape != lse.shape:
+        raise ValueError(f"l: expected shape {lse.shape} (one per row, as "
+                         f"lse), got {l.shape}")
+    if l.dtype != lse.dtype:
+        raise TypeError(f"l: expected dtype {lse.dtype} to match lse, got "
+                        f"{l.dtype}")
+    return l
 
 
 def check_saved(q, v, o, lse, do):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashlab import checks, dropout, reference, tiled
+from flashlab import checks, dropout, merge, reference, tiled
 from helpers import EPS32, max_abs_err, qkv
 
 
@@ -150,3 +150,55 @@ def test_saved_tensor_checks(rng):
     with pytest.raises(TypeError, match="o: expected dtype"):
         tiled.attention_backward(q, k, v, o.astype(np.float32), lse,
                                  np.zeros((4, 2)))
+
+
+@pytest.mark.parametrize("hot", [1.0, 100.0, -100.0])
+def test_pieces_of_the_keys_sum_to_the_gradient_given_m_and_l(rng, hot):
+    # two key ranges, each run alone with the whole row's (m, l): their
+    # dQ add up to the whole one and their dK, dV are its slices. Scores
+    # of a few hundred (hot) put lse past merge.LSE_EXACT, where the
+    # saved lse alone would make each range's P sum to 1 by itself
+    q, k, v = qkv(rng, (2, 4), 9, 23, 8, 5)
+    k = k.reshape(2, 2, 2, 23, 8)[:, :, 0]  # 2 K/V heads: grouped
+    v = v.reshape(2, 2, 2, 23, 5)[:, :, 0]
+    q = hot * q
+    do = rng.standard_normal((2, 4, 9, 5))
+    o, lse = tiled.attention(q, k, v, return_lse=True, block_k=4)
+    m, l = tiled.attention_statistics(q, k, v, lse)
+    lossy = merge.lse_loses_l(lse)
+    assert lossy.mean() > 0.75 if hot != 1.0 else not lossy.any()
+    want = tiled.attention_backward(q, k, v, o, lse, do, block_k=4)
+    parts = [tiled.attention_backward(q, k[..., r, :], v[..., r, :], o, m,
+                                      do, block_k=4, l=l)
+             for r in (slice(0, 10), slice(10, 23))]
+    scale = max(1.0, abs(hot))
+    assert max_abs_err(parts[0][0] + parts[1][0], want[0]) < 1e-13 * scale
+    for i in (1, 2):  # dK, dV
+        whole = np.concatenate([parts[0][i], parts[1][i]], axis=-2)
+        assert max_abs_err(whole, want[i]) < 1e-13 * scale
+    # where lse lost l, a range's own pass finds its own (m, l): wrong
+    own = tiled.attention_backward(q, k[..., :10, :], v[..., :10, :], o,
+                                   lse, do, block_k=4)
+    assert (max_abs_err(own[0], parts[0][0]) > 1e-3) == (hot != 1.0)
+
+
+def test_attention_statistics_are_the_rows_max_and_sum(rng):
+    q, k, v = qkv(rng, (3,), 6, 11, 4, 4)
+    q[0] *= 300.0  # lse past LSE_EXACT: recomputed
+    s = reference.scores(q, k)  # tau Q K^T, tau = 1/2
+    _, lse = tiled.attention(q, k, v, return_lse=True)
+    m, l = tiled.attention_statistics(q, k, v, lse)
+    lossy = merge.lse_loses_l(lse)
+    assert lossy[0].all() and not lossy[1:].any()
+    assert np.array_equal(m[1:], lse[1:]) and np.all(l[1:] == 1)
+    assert np.allclose(m[0], s[0].max(-1), rtol=1e-15, atol=0)
+    assert np.allclose(l[0], np.exp(s[0] - m[0][:, None]).sum(-1),
+                       rtol=1e-13)
+    with pytest.raises(ValueError, match=r"lse: expected shape \(3, 6\)"):
+        tiled.attention_statistics(q, k, v, lse[:2])
+    with pytest.raises(ValueError, match=r"l: expected shape \(3, 6\)"):
+        tiled.attention_backward(q, k, v, q[..., :4], m, q[..., :4],
+                                 l=l[:2])
+    with pytest.raises(TypeError, match="l: expected dtype float64"):
+        tiled.attention_backward(q, k, v, q[..., :4], m, q[..., :4],
+                                 l=l.astype(np.float32))

@@ -6,6 +6,7 @@ gradients against the float64 reference of the whole sequence, within
 the same rounding budget as the tiled path (1e-12 in float64).
 """
 
+import itertools
 import os
 import socket
 
@@ -74,6 +75,62 @@ def test_ring_matches_the_reference(world):
     seed = int(np.random.SeedSequence().entropy % 2**32)
     print(f"ring seed {seed}")
     mp.spawn(_worker, args=(world, _free_port(), seed), nprocs=world)
+
+
+def _hot_worker(rank, world, port, seed):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        rng = np.random.default_rng(seed)
+        n, d = 8 * world, 16
+        # scores of a few hundred: every row's lse is past merge.LSE_EXACT,
+        # where a piece's keys alone would give P its own m and l
+        q, k, v, do = (rng.standard_normal((1, 2, n, d)) for _ in range(4))
+        for hot in (300.0, -300.0):
+            for causal in (False, True):
+                o64, lse64 = tiled.attention(hot * q, k, v, causal=causal,
+                                             return_lse=True)
+                assert np.mean(np.abs(lse64) >= 64) > 0.6
+                want = [o64, *tiled.attention_backward(
+                    hot * q, k, v, o64, lse64, do, causal=causal)]
+                mine = [torch.tensor(distributed.split(x, world,
+                                                       "zigzag")[rank],
+                                     requires_grad=True)
+                        for x in (hot * q, k, v)]
+                out = distributed.ring_attention(*mine, causal=causal,
+                                                 layout="zigzag")
+                got = [out, *torch.autograd.grad(out, mine, torch.tensor(
+                    distributed.split(do, world, "zigzag")[rank]))]
+                for name, g, w in zip(("o", "dq", "dk", "dv"), got, want):
+                    w_r = distributed.split(w, world, "zigzag")[rank]
+                    err = np.max(np.abs(g.detach().numpy() - w_r))
+                    assert err < TOL * max(1, np.abs(w_r).max()), (
+                        hot, causal, name, err)
+        # float32 scores of 1e6, all equal: the output is the mean of the
+        # allowed values, which lse = m + log l (log l rounded away next
+        # to 1e6) cannot weigh when pieces hold different counts of keys
+        q32 = np.zeros((1, 1, n, d), np.float32)
+        q32[..., 0] = 1000.0
+        v32 = rng.standard_normal((1, 1, n, d)).astype(np.float32)
+        mine = [torch.tensor(distributed.split(x, world, "zigzag")[rank])
+                for x in (q32, q32, v32)]
+        out = distributed.ring_attention(*mine, causal=True,
+                                         layout="zigzag", scale=1.0)
+        mean = np.cumsum(v32.astype(np.float64), axis=-2) / np.arange(
+            1, n + 1)[:, None]  # row i: the mean of V's first i + 1 rows
+        want = distributed.split(mean, world, "zigzag")[rank]
+        err = np.max(np.abs(out.numpy() - want))
+        assert err < 1e-5, err  # float32 rounding of a mean of <= 32
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_is_exact_at_large_scores():
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"ring seed {seed}")
+    mp.spawn(_hot_worker, args=(2, _free_port(), seed), nprocs=2)
 
 
 def test_split_and_join_are_inverse(rng):
@@ -149,37 +206,40 @@ def _gpu_worker(rank, world, port, seed):
     try:
         rng = np.random.default_rng(seed)
         n, d = 96 * world, 64  # 48-row chunks: ragged against every tile
-        q, k, v, do = (rng.standard_normal((2, 3, n, d)) for _ in range(4))
-        dev = [torch.tensor(x, dtype=torch.float32, device="cuda")
-               for x in (q, k, v, do)]
-        for layout in distributed.LAYOUTS:
-            for causal in (False, True):
-                o64, lse64 = tiled.attention(q, k, v, causal=causal,
-                                             return_lse=True)
-                want = [o64, *tiled.attention_backward(
-                    q, k, v, o64, lse64, do, causal=causal)]
-                # the budget: the same kernels on the whole sequence on
-                # one GPU, twice their error, floored at 8 float32 ulps
-                o1, lse1 = gpu.attention(*dev[:3], causal=causal,
+        q0, k, v, do = (rng.standard_normal((2, 3, n, d)) for _ in range(4))
+        # hot = 40: scores of a few hundred, lse past merge.LSE_EXACT, where
+        # the pieces merge and recompute P by the rows' (m, l)
+        for layout, causal, hot in itertools.product(
+                distributed.LAYOUTS, (False, True), (1.0, 40.0)):
+            q = hot * q0
+            dev = [torch.tensor(x, dtype=torch.float32, device="cuda")
+                   for x in (q, k, v, do)]
+            o64, lse64 = tiled.attention(q, k, v, causal=causal,
                                          return_lse=True)
-                one = [o1, *gpu.attention_backward(
-                    *dev[:3], o1, lse1, dev[3], causal=causal)]
-                mine = [distributed.split(x, world, layout)[rank]
-                        .clone().requires_grad_() for x in dev[:3]]
-                out = distributed.ring_attention(*mine, causal=causal,
-                                                 layout=layout)
-                got = [out, *torch.autograd.grad(out, mine, distributed.split(
-                    dev[3], world, layout)[rank])]
-                for name, g, w, single in zip(("o", "dq", "dk", "dv"), got,
-                                              want, one):
-                    w_r = distributed.split(w, world, layout)[rank]
-                    s_r = distributed.split(single.cpu().numpy(), world,
-                                            layout)[rank]
-                    floor = 8 * 2.0**-23 * max(1.0, np.abs(w_r).max())
-                    budget = max(2 * np.max(np.abs(s_r - w_r)), floor)
-                    err = np.max(np.abs(g.detach().cpu().numpy() - w_r))
-                    assert not np.isnan(err) and err <= budget, (
-                        layout, causal, name, err, budget)
+            want = [o64, *tiled.attention_backward(
+                q, k, v, o64, lse64, do, causal=causal)]
+            # the budget: the same kernels on the whole sequence on
+            # one GPU, twice their error, floored at 8 float32 ulps
+            o1, lse1 = gpu.attention(*dev[:3], causal=causal,
+                                     return_lse=True)
+            one = [o1, *gpu.attention_backward(
+                *dev[:3], o1, lse1, dev[3], causal=causal)]
+            mine = [distributed.split(x, world, layout)[rank]
+                    .clone().requires_grad_() for x in dev[:3]]
+            out = distributed.ring_attention(*mine, causal=causal,
+                                             layout=layout)
+            got = [out, *torch.autograd.grad(out, mine, distributed.split(
+                dev[3], world, layout)[rank])]
+            for name, g, w, single in zip(("o", "dq", "dk", "dv"), got,
+                                          want, one):
+                w_r = distributed.split(w, world, layout)[rank]
+                s_r = distributed.split(single.cpu().numpy(), world,
+                                        layout)[rank]
+                floor = 8 * 2.0**-23 * max(1.0, np.abs(w_r).max())
+                budget = max(2 * np.max(np.abs(s_r - w_r)), floor)
+                err = np.max(np.abs(g.detach().cpu().numpy() - w_r))
+                assert not np.isnan(err) and err <= budget, (
+                    layout, causal, hot, name, err, budget)
     finally:
         dist.destroy_process_group()
 
@@ -202,8 +262,15 @@ def test_stored_ring_traffic_matches_the_count():
 
     rows = measured.record("ring_h200x2.json")["rows"]
     assert {r["world"] for r in rows} == {1, 2}
-    for r in rows:
+    one = measured.record("ring_h200.json")["rows"]  # one GPU, later
+    assert {r["world"] for r in one} == {1}
+    for r in rows + one:
         want = bench_ring.predicted_bytes(r["world"], r["n"], r["backward"])
+        if r in rows and (r["world"], r["backward"]) == (1, True):
+            # that run's ring of one still handed dK, dV to itself at
+            # the end, a hop the ring (and the count) no longer make:
+            # n (d + d_v) float32 values per head
+            want = bench_ring.B * bench_ring.H * r["n"] * 2 * bench_ring.D * 4
         assert r["sent_bytes"] == r["predicted_bytes"] == want
     assert "GPUs" in bench_ring.table(rows)
 

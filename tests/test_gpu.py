@@ -156,6 +156,62 @@ def test_simulator_split_kv(rng, opts):
         assert max_abs_err(lse[finite], lse_ref[finite]) < 1e-5
 
 
+def test_split_kv_is_exact_at_huge_scores(rng):
+    # every score 1e6 (q = k = 1000 e_0, tau = 1): the output is the mean
+    # of V over the allowed keys; splits of 96 and 54 keys (3 and 2 tiles
+    # of 32), and under the causal mask rows whose splits hold different
+    # counts, must be weighed by their counts, which each split's lse
+    # rounds away and its (m, l) keeps
+    q = np.zeros((1, 3, 16), np.float32)
+    q[..., 0] = 1000.0
+    k = np.zeros((1, 150, 16), np.float32)
+    k[..., 0] = 1000.0
+    v = rng.standard_normal((1, 150, 16)).astype(np.float32)
+    for causal in (False, True):
+        o, lse = gpu.attention(q, k, v, version=3, num_splits=2,
+                               return_lse=True, scale=1.0, causal=causal,
+                               align="bottom_right" if causal else None)
+        allowed = np.arange(150)[None] <= np.arange(3)[:, None] + 147 \
+            if causal else np.ones((3, 150), bool)
+        want = (allowed @ v[0].astype(np.float64)) / allowed.sum(-1)[:,
+                                                                     None]
+        assert max_abs_err(o[0], want) < 1e-5
+        assert max_abs_err(lse[0], 1e6 + np.log(allowed.sum(-1))) <= 0.0625
+
+
+def test_statistics_and_a_backward_given_m_and_l(rng):
+    # float32 kernels: gpu.attention_statistics as tiled's, and two key
+    # ranges run alone with the whole row's (m, l) give its gradients
+    # where scores of a few hundred put lse past merge.LSE_EXACT
+    q, k, v = qkv(rng, (2,), 8, 40, 16, 16, dtype=np.float32)
+    q *= 100.0
+    do = rng.standard_normal((2, 8, 16)).astype(np.float32)
+    o, lse = gpu.attention(q, k, v, version=3, return_lse=True)
+    assert merge.lse_loses_l(lse).mean() > 0.75
+    m, l = gpu.attention_statistics(q, k, v, lse)
+    m64, l64 = tiled.attention_statistics(*(x.astype(np.float64) for x in
+                                            (q, k, v, lse)))
+    # a float32 score of d products rounds by up to about d |s| eps
+    # (tau = 1/4: |s| near 300 here); P, l and the gradients carry it
+    s_max = float(np.abs(q @ np.swapaxes(k, -1, -2)).max()) / 4
+    rel = 16 * s_max * EPS32
+    assert max_abs_err(m, m64) <= 4 * EPS32 * np.abs(m64).max()
+    assert max_abs_err(l / l64, 1.0) < rel
+    want = tiled.attention_backward(*(x.astype(np.float64) for x in (
+        q, k, v, o, m, do)), l=l.astype(np.float64))
+    parts = [gpu.attention_backward(q, k[:, r], v[:, r], o, m, do, l=l)
+             for r in (slice(0, 24), slice(24, 40))]
+    budget = rel * max(np.abs(w).max() for w in want)
+    assert max_abs_err(parts[0][0] + parts[1][0], want[0]) < budget
+    for i in (1, 2):
+        whole = np.concatenate([parts[0][i], parts[1][i]], axis=-2)
+        assert max_abs_err(whole, want[i]) < budget
+    with pytest.raises(TypeError, match="l: expected dtype float32"):
+        gpu.attention_backward(q, k, v, o, m, do, l=l.astype(np.float64))
+    with pytest.raises(ValueError, match=r"l: expected shape \(2, 8\)"):
+        gpu.attention_backward(q, k, v, o, m, do, l=l[:1])
+
+
 def test_combine_matches_merge(rng):
     # 4 splits of (2, 3) heads x 5 rows, one split empty in some rows,
     # one row empty in every split; huge lses stress the shift
@@ -178,10 +234,37 @@ def test_combine_matches_merge(rng):
     finite = np.isfinite(lse_ref)
     err = np.abs(lse[finite] - lse_ref[finite])
     assert np.all(err <= EPS32 * (4 + 2 * (1 + np.abs(lse_ref[finite]))))
-    with pytest.raises(TypeError, match="outs, lses: expected float32"):
+    with pytest.raises(TypeError, match="outs: expected a float32"):
         gpu.combine(outs.astype(np.float64), lses)
     with pytest.raises(ValueError, match=r"lses: expected shape \(4, 2"):
         gpu.combine(outs, lses[:, :1])
+    with pytest.raises(ValueError, match=r"ls: expected shape \(4, 2"):
+        gpu.combine(outs, lses, lses[:, :1])
+
+
+def test_combine_of_maxes_and_sums_is_exact_at_any_size(rng):
+    # 3 splits of 2 x 4 rows of equal scores s (1e6, finfo.min) over 7,
+    # 1 and 12 keys, one split empty in a row: the output is the mean of
+    # the rows' values, which lse = s + log l (log l rounded away) cannot
+    # weigh; the (m, l) form weighs each split by its count
+    counts = np.array([7, 1, 12], np.float32)
+    for score in (np.float32(1e6), np.finfo(np.float32).min):
+        means = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+        ms = np.full((3, 2, 4), score, np.float32)
+        ls = np.broadcast_to(counts[:, None, None], ms.shape).copy()
+        ms[1, 0, 3], ls[1, 0, 3] = -np.inf, 0.0
+        o, m, l = gpu.combine(means, ms, ls)
+        o_ref, m_ref, l_ref = merge.combine(means.astype(np.float64), ms,
+                                            ls)
+        want = (means * ls[..., None]).sum(0) / ls.sum(0)[..., None]
+        assert max_abs_err(o_ref, want) < 1e-6  # the reference is right
+        assert max_abs_err(o, o_ref) <= 8 * EPS32 * np.abs(means).max()
+        assert np.array_equal(m, np.full((2, 4), score, np.float32))
+        assert np.array_equal(l, l_ref.astype(np.float32))  # small ints
+        with np.errstate(divide="ignore"):  # log 0: the empty split
+            lse = (ms + np.log(ls)).astype(np.float32)
+        lossy, _ = gpu.combine(means, lse)
+        assert max_abs_err(lossy, want) > 1e-2  # the lse form cannot
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the refusal is the simulator's")

@@ -571,3 +571,23 @@ def test_nested_lists_and_none_reach_the_named_checks(rng):
     with pytest.raises(ValueError, match="q: expected \\(total, heads"):
         varlen.attention(None, packed, packed, cu, cu)
 
+
+
+def test_ragged_lists_numpy_bools_and_scales_past_the_dtype(rng):
+    q = rng.standard_normal((6, 4))
+    with pytest.raises(ValueError, match="q: expected an array of one "
+                                         "shape, got ragged"):
+        tiled.attention([[1.0, 2.0], [3.0]], q, q)
+    # numpy's bools are bools here, as torch's wrapper takes them
+    assert np.array_equal(tiled.attention(q, q, q, causal=np.True_),
+                          tiled.attention(q, q, q, causal=True))
+    # a scale float32 cannot hold would turn every score to inf, then NaN
+    q32 = q.astype(np.float32)
+    with pytest.raises(ValueError, match="scale: expected a number that "
+                                         "float32"):
+        tiled.attention(q32, q32, q32, scale=1e39)
+    # float64 holds it: scores of 1e39 pick each row's largest exactly
+    big = tiled.attention(q, q, q, scale=1e39)
+    s = q @ q.T
+    want = q[np.argmax(s, axis=-1)]
+    assert np.max(np.abs(big - want)) < 1e-12

@@ -199,9 +199,11 @@ def test_combine_with_each_splits_sum_weighs_splits_at_huge_scores(rng):
                  for a, b in zip(cuts, cuts[1:])]
         outs = np.stack([p.output() for p in parts])
         want = v.astype(np.float64).mean(axis=0)  # equal scores: the mean
-        out, _ = merge.combine(outs, np.stack([p.m for p in parts]),
-                               np.stack([p.l for p in parts]))
+        out, m, l = merge.combine(outs, np.stack([p.m for p in parts]),
+                                  np.stack([p.l for p in parts]))
         assert np.max(np.abs(out - want)) < 1e-6, score
+        # the (m, l) it returns are the whole row's: every key, one max
+        assert np.all(m == np.float32(score)) and np.all(l == 40), score
         if score != 1e6:  # the form with lse alone cannot tell them apart
             lossy, _ = merge.combine(outs, np.stack([p.lse()
                                                      for p in parts]))
@@ -212,12 +214,13 @@ def test_combine_with_each_splits_sum_weighs_splits_at_huge_scores(rng):
     s[:, :5] = -np.inf
     parts = [merge.summarize(s[:, :5], v[:5]), merge.summarize(s[:, 5:],
                                                                v[5:])]
-    out, lse = merge.combine(np.stack([p.output() for p in parts]),
-                             np.stack([p.m for p in parts]),
-                             np.stack([p.l for p in parts]))
+    out, m, l = merge.combine(np.stack([p.output() for p in parts]),
+                              np.stack([p.m for p in parts]),
+                              np.stack([p.l for p in parts]))
     whole = merge.summarize(s, v)
     assert np.max(np.abs(out - whole.output())) < 1e-12
-    assert np.max(np.abs(lse - whole.lse())) < 1e-12
+    assert np.all(m == whole.m)
+    assert np.max(np.abs(l / whole.l - 1)) < 1e-12
     with pytest.raises(ValueError, match="ls: expected shape"):
         merge.combine(np.zeros((2, 3, 4)), np.zeros((2, 3)), np.ones(2))
 

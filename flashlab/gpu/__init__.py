@@ -26,9 +26,9 @@ package, in the order chapters 9 and 10 read it:
   (sm_90a on Hopper); PTX for any target without a GPU;
 - `traits`: each kernel's tile constants at one (d, d_v);
 - `adapters`: one per kind of array taken (torch, numpy, numba);
-- `host`: the entry points `attention`, `attention_backward` and
-  `combine`, with the keywords of `tiled.attention`, which this module
-  re-exports;
+- `host`: the entry points `attention`, `attention_backward`,
+  `attention_statistics` and `combine`, with the keywords of
+  `tiled.attention`, which this module re-exports;
 - `fp8`: `attention_fp8` on e4m3 inputs with per-tensor scales (v8's
   8-bit form) and `quantize`, which makes them.
 """
@@ -82,6 +82,7 @@ from flashlab.gpu.host import (  # noqa: F401
     _plans,
     attention,
     attention_backward,
+    attention_statistics,
     choose_splits,
     combine,
     tile_shape,
@@ -91,7 +92,8 @@ __all__ = ["attention", "attention_backward", "attention_fp8", "quantize",
            "compile_ptx", "kernel_names",
            "supports", "tile_shape", "DEFAULT_VERSION", "VERSIONS",
            "FLOAT32_VERSIONS", "HALF_VERSIONS", "TENSOR_CORE_VERSIONS",
-           "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine"]
+           "PRECISIONS", "SPLIT_VERSIONS", "choose_splits", "combine",
+           "attention_statistics"]
 
 # Tests set this to fill every output with NaN before a kernel runs, so an
 # element a kernel fails to write cannot pass for a right answer.

@@ -258,12 +258,15 @@ def store_row(o, lse, b, i, acc, m, l, d_v):
 
 
 @cuda.jit
-def combine_splits(o_parts, lse_parts, o, lse, lowest):
-    """Split-KV's partial (out, lse), S x BH rows, into o, lse (BH rows).
+def combine_splits(o_parts, m_parts, l_parts, o, m_out, l_out, lowest):
+    """Split-KV's partial results, S x BH rows, into o (BH rows).
 
     One thread per output element folds the S partial results of its row
-    as `merge.combine` does: each is a summary (m = lse_s, l = 1, u =
-    out_s), merged with `merge.row_step` one after another.
+    as `merge.combine` does, one after another with `merge.row_step`.
+    Each split is the summary (m_s, l_s, l_s out_s): m_parts holds the
+    row maxes and l_parts the sums, or, when l_parts is empty, m_parts
+    holds lse_s and every l_s is 1. The row's own (m, l) go to m_out and
+    l_out, or, when l_out is empty, its lse m + log l to m_out.
     """
     b = cuda.blockIdx.y
     e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
@@ -273,14 +276,45 @@ def combine_splits(o_parts, lse_parts, o, lse, lowest):
     i, x = e // d_v, e % d_v
     m, l, u = NEG_INF, F0, F0
     for s in range(o_parts.shape[0] // bh):
-        lse_s = lse_parts[s * bh + b, i]
-        m, shift, alpha = row_step(m, lse_s, lowest)
-        w = math.exp(lse_s - shift)  # this split's weight, l_s = 1
+        m_s = m_parts[s * bh + b, i]
+        m, shift, alpha = row_step(m, m_s, lowest)
+        w = math.exp(m_s - shift)  # this split's weight: l_s = 1, or
+        if l_parts.shape[0] != 0:  # its own sum (0 adds nothing)
+            w *= l_parts[s * bh + b, i]
         l = alpha * l + w
         u = alpha * u + w * o_parts[s * bh + b, i, x]
     o[b, i, x] = u / l if l != F0 else F0  # an empty row stays 0
     if x == 0:
-        lse[b, i] = m + math.log(l) if l != F0 else NEG_INF
+        if l_out.shape[0] != 0:
+            m_out[b, i] = m if l != F0 else NEG_INF
+            l_out[b, i] = l
+        else:
+            m_out[b, i] = m + math.log(l) if l != F0 else NEG_INF
+
+
+@cuda.jit
+def norms_from_sums(m, l, stats):
+    """stats (2 BH, Nq) as `row_statistics` writes them (shifts, then
+    norms) from rows' max m and sum l (BH, Nq); one thread per row."""
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    bh, nq = m.shape
+    if i < nq:
+        stats[b, i] = m[b, i]
+        stats[bh + b, i] = F1 / l[b, i] if l[b, i] != F0 else F1
+
+
+@cuda.jit
+def sums_from_norms(stats, m, l):
+    """The inverse of `norms_from_sums`: a row with no key (shift -inf)
+    has l = 0."""
+    b = cuda.blockIdx.y
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    bh, nq = m.shape
+    if i < nq:
+        shift = stats[b, i]
+        m[b, i] = shift
+        l[b, i] = F1 / stats[bh + b, i] if shift != NEG_INF else F0
 
 
 @cuda.jit

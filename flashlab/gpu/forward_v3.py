@@ -7,9 +7,11 @@ several multiply-adds, and keeps RM rows of the output. The tile goes to
 SRAM, where one thread per row finds the maximum, exponentiates and sums.
 
 Split-KV: a grid with gridDim.z = S splits the keys into S ranges of
-whole tiles; block z writes the partial (out, lse) of its range to row
-block z of o and lse (S x BH rows), and `device.combine_splits` joins
-them. With S = 1 this is the plain kernel. See chapter 11.
+whole tiles; block z writes the partial output of its range to row block
+z of o (S x BH rows) and its rows' max and sum to lse, given twice as
+many rows (the maxes, then the sums: m + log l would round log l away
+at large |m|), and `device.combine_splits` joins them. With S = 1 and
+lse of o's rows this is the plain kernel. See chapter 11.
 """
 
 import math
@@ -121,6 +123,11 @@ def make(D, D_V):
                                                    if l != F0 else F0)
         if t < BR and i0 + t < nq:
             l = l_s[t]
-            lse[out, i0 + t] = m_s[t] + math.log(l) if l != F0 else NEG_INF
+            if lse.shape[0] > o.shape[0]:  # split-KV's (m, l)
+                lse[out, i0 + t] = m_s[t] if l != F0 else NEG_INF
+                lse[o.shape[0] + out, i0 + t] = l
+            else:
+                lse[out, i0 + t] = (m_s[t] + math.log(l) if l != F0
+                                    else NEG_INF)
 
     return forward_v3

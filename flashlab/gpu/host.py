@@ -205,62 +205,76 @@ def _multiprocessors():
 
 
 def _split_forward(call, name, q, k, vk, o_k, lse_k, d, d_v, splits):
-    """Split-KV: partial results of `splits` key ranges, then combined."""
+    """Split-KV: partial results of `splits` key ranges, then combined,
+    each range's rows as (m, l), exact at any |m| (`merge.combine`)."""
     br = tile_shape(3, d, d_v)[0]
-    parts, parts_k = call.empty((splits * call.bh, call.nq, d_v))
-    lses, lses_k = call.empty((splits * call.bh, call.nq))
+    rows = splits * call.bh
+    parts, parts_k = call.empty((rows, call.nq, d_v))
+    stats, stats_k = call.empty((2 * rows, call.nq))  # maxes, then sums
     kernel(name, d, d_v)[
         (math.ceil(call.nq / br), call.bh, splits), device.THREADS,
         call.stream](call.to_kernel(q, (call.bh, call.nq, d)),
                      call.to_kernel(k, (call.bh_kv, call.nk, d)), vk,
-                     parts_k,
-                     lses_k, *call.args)
+                     parts_k, stats_k, *call.args)
+    _, none_k = call.empty((0, 0))  # lse_k takes m + log l
     kernel("combine_splits", 0, 0)[
         (math.ceil(call.nq * d_v / device.THREADS), call.bh),
-        device.THREADS, call.stream](parts_k, lses_k, o_k, lse_k,
+        device.THREADS, call.stream](parts_k, stats_k[:rows],
+                                     stats_k[rows:], o_k, lse_k, none_k,
                                      call.args[0].lowest)
 
 
-def combine(outs, lses):
+def combine(outs, lses, ls=None):
     """`merge.combine` on the GPU: outs (S, ..., d_v), lses (S, ...).
 
     The partial results of S key ranges, float32 torch CUDA tensors (or
     numpy arrays, copied), folded by the kernel split-KV uses; returns
-    (out (..., d_v), lse (...)) of the same kind. Ring attention merges
-    what reaches each GPU with it.
+    (out (..., d_v), lse (...)) of the same kind. With ls (S, ...), lses
+    holds each range's row max and ls its sum, and the result is (out, m,
+    l): exact at any size, as ring attention's running fold needs.
     """
-    if str(getattr(outs, "dtype", "")).removeprefix("torch.") != "float32" \
-            or str(getattr(lses, "dtype", "")).removeprefix("torch.") \
-            != "float32":
-        raise TypeError(f"outs, lses: expected float32 arrays, got "
-                        f"{getattr(outs, 'dtype', type(outs).__name__)} "
-                        f"and {getattr(lses, 'dtype', type(lses).__name__)}")
+    arrays_in = (("outs", outs), ("lses", lses)) + (
+        () if ls is None else (("ls", ls),))
+    for name, x in arrays_in:
+        if str(getattr(x, "dtype", "")).removeprefix("torch.") \
+                != "float32":
+            raise TypeError(f"{name}: expected a float32 array, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
     shape = tuple(outs.shape)
     if len(shape) < 3 or tuple(lses.shape) != shape[:-1] or not shape[0]:
         raise ValueError(
             f"lses: expected shape {shape[:-1]} (one per split and row of "
             f"outs {shape}, at least one split), got {tuple(lses.shape)}")
+    if ls is not None and tuple(ls.shape) != shape[:-1]:
+        raise ValueError(f"ls: expected shape {shape[:-1]} (one per split "
+                         f"and row, as lses), got {tuple(ls.shape)}")
     splits, *batch, nq, d_v = shape
     bh = int(np.prod(batch))
     lowest = np.float32(np.finfo(np.float32).min)
     arrays = adapters.of("outs", outs)
     out, out_k = arrays.empty((bh, nq, d_v), "float32")
-    lse, lse_k = arrays.empty((bh, nq), "float32")
+    m, m_k = arrays.empty((bh, nq), "float32")
+    l, l_k = arrays.empty((bh, nq) if ls is not None else (0, 0),
+                          "float32")
     if bh and nq and d_v:
+        ls_k = (arrays.empty((0, 0), "float32")[1] if ls is None
+                else arrays.to_kernel(ls, (splits * bh, nq)))
         kernel("combine_splits", 0, 0)[
             (math.ceil(nq * d_v / device.THREADS), bh), device.THREADS,
             arrays.stream](arrays.to_kernel(outs, (splits * bh, nq, d_v)),
-                           arrays.to_kernel(lses, (splits * bh, nq)),
-                           out_k, lse_k, lowest)
-    return (arrays.result(out, shape[1:]),
-            arrays.result(lse, shape[1:-1]))
+                           arrays.to_kernel(lses, (splits * bh, nq)), ls_k,
+                           out_k, m_k, l_k, lowest)
+    out = arrays.result(out, shape[1:])
+    if ls is None:
+        return out, arrays.result(m, shape[1:-1])
+    return out, arrays.result(m, shape[1:-1]), arrays.result(l, shape[1:-1])
 
 
 def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                        scale=None, causal=False, mask=None, window=None,
                        kv_lengths=None, dropout_p=0.0, seed=None,
                        order="fa2", align=None, version=None,
-                       deterministic=True):
+                       deterministic=True, l=None):
     """GPU gradients (dq, dk, dv). Keywords as the forward.
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
@@ -275,15 +289,17 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     each tile pair's dQ to a float32 dQ by atomics (v8's by TMA's
     reductions; five products a tile pair instead of seven; the order of
     the additions, so dQ's last bits, vary from run to run); elsewhere it
-    changes nothing.
+    changes nothing. With l (float32, lse's shape), lse holds the rows'
+    max m and l their sum, as `tiled.attention_backward` takes them.
     """
     deterministic = check_flag("deterministic", deterministic)
+    _check_norms(l, lse)
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    align=align)
     fast = _fast_key(q, k, v, ("backward", order, version, deterministic),
                      dict(options, block_q=block_q, block_k=block_k),
-                     saved=(o, lse, do))
+                     saved=(o, lse, do)) if l is None else None
     plan = _plans.get(fast) if fast is not None else None
     if plan is not None:  # checked when the plan was made: same key
         return plan(q, k, v, o, lse, do, seed)
@@ -297,7 +313,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
         widen = adapters.kind_of("q", q).widen
         return attention_backward(
             *(widen(x) for x in (q, k, v, o, lse, do)), block_q=block_q,
-            block_k=block_k, order=order, **options)
+            block_k=block_k, order=order, l=l, **options)
     if dtype in HALF_BITS:
         if d not in backward_v5.HEAD_DIMS or d_v not in backward_v5.HEAD_DIMS:
             raise ValueError(
@@ -317,7 +333,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                                                 options, names)
             return plan(q, k, v, o, lse, do, seed)
         return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options,
-                           names)
+                           names, l)
     if dtype != "float32":
         raise TypeError(f"q: expected float32, bfloat16 or float16 for "
                         f"the backward, got {dtype}")
@@ -335,7 +351,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     ok = call.to_kernel(o, (bh, nq, d_v))
     dok = call.to_kernel(do, (bh, nq, d_v))
     rows = (math.ceil(nq / device.THREADS), bh)
-    stats_k = _statistics(call, "row_statistics", qk, kk, lse, rows)
+    stats_k = _statistics(call, "row_statistics", qk, kk, lse, rows, l)
     delta, delta_k = call.empty((bh, nq))
     kernel("row_dot", 0, 0)[rows, device.THREADS, call.stream](
         dok, ok, delta_k)
@@ -355,15 +371,64 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
             call.result(dv, (*v.shape[:-2], nk, d_v)))
 
 
-def _statistics(call, name, q_k, k_k, lse, rows):
+def _statistics(call, name, q_k, k_k, lse, rows, l=None):
     """The backward kernels' row statistics (2 BH, Nq) on the device:
     shifts and norms of P, by helper kernel `name` (device.row_statistics
-    or a 16-bit twin) from the saved lse."""
+    or a 16-bit twin) from the saved lse, or from the rows' own (m, l)
+    where l is given (lse then holds m)."""
     stats, stats_k = call.empty((2 * call.bh, call.nq))
-    kernel(name, 0, 0)[rows, device.THREADS, call.stream](
-        q_k, k_k, call.to_kernel(lse, (call.bh, call.nq)), stats_k,
-        *call.args)
+    lse_k = call.to_kernel(lse, (call.bh, call.nq))
+    if l is not None:
+        kernel("norms_from_sums", 0, 0)[rows, device.THREADS, call.stream](
+            lse_k, call.to_kernel(l, (call.bh, call.nq)), stats_k)
+    else:
+        kernel(name, 0, 0)[rows, device.THREADS, call.stream](
+            q_k, k_k, lse_k, stats_k, *call.args)
     return stats_k
+
+
+def _check_norms(l, lse):
+    """l, where given, float32 of lse's shape."""
+    if l is None:
+        return
+    if tuple(np.shape(l)) != tuple(np.shape(lse)):
+        raise ValueError(f"l: expected shape {tuple(np.shape(lse))} (one "
+                         f"per row, as lse), got {tuple(np.shape(l))}")
+    if str(getattr(l, "dtype", "")).removeprefix("torch.") != "float32":
+        raise TypeError(f"l: expected dtype float32, got "
+                        f"{getattr(l, 'dtype', type(l).__name__)}")
+
+
+def attention_statistics(q, k, v, lse, *, scale=None, causal=False, mask=None,
+                   window=None, kv_lengths=None, align=None):
+    """`tiled.attention_statistics` on the GPU: (m, l) (..., Nq), float32
+    like lse, with the 16-bit kernels' way of forming S for 16-bit
+    inputs. Keywords as the forward; torch tensors or numpy arrays."""
+    d, d_v, dtype = _check_device_inputs((("q", q), ("k", k), ("v", v)))
+    call = _Call(q, k, v, dict(scale=scale, causal=causal, mask=mask,
+                               window=window, kv_lengths=kv_lengths,
+                               dropout_p=0.0, seed=None, align=align))
+    if call.arrays.kind == "numba":
+        raise TypeError("q: attention_statistics takes torch tensors or numpy "
+                        "arrays")
+    if tuple(np.shape(lse)) != (*call.heads, call.nq):
+        raise ValueError(f"lse: expected shape {(*call.heads, call.nq)}, "
+                         f"got {tuple(np.shape(lse))}")
+    bh, nq = call.bh, call.nq
+    m, m_k = call.empty((bh, nq))
+    l, l_k = call.empty((bh, nq))
+    if bh and nq:
+        name = ("row_statistics" if dtype == "float32" else
+                "row_statistics_" + ("bf16" if dtype == "bfloat16"
+                                     else "f16"))
+        rows = (math.ceil(nq / device.THREADS), bh)
+        stats_k = _statistics(
+            call, name, call.to_kernel(q, (bh, nq, d)),
+            call.to_kernel(k, (call.bh_kv, call.nk, d)), lse, rows)
+        kernel("sums_from_norms", 0, 0)[rows, device.THREADS, call.stream](
+            stats_k, m_k, l_k)
+    return (call.result(m, (*call.heads, nq)),
+            call.result(l, (*call.heads, nq)))
 
 
 def _backward16_names(version, dtype, d, d_v, deterministic=True):
@@ -401,7 +466,8 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
     return registry.backward_names(version, kind)
 
 
-def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
+def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names,
+                l=None):
     """The tensor-core backward (kernels `names`: dK/dV, dQ, or the fused
     kernel and None) of 16-bit q, k, v, o, dO."""
     _check_saved16(o, lse, do, q, dtype, d_v)
@@ -419,7 +485,8 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names):
     k_k = call.to_kernel(k, (call.bh_kv, nk, d))
     stats_k = _statistics(call, f"row_statistics_{kind}", q_k, k_k,
                           lse.reshape(bh, nq),
-                          (math.ceil(nq / device.THREADS), bh))
+                          (math.ceil(nq / device.THREADS), bh),
+                          None if l is None else l.reshape(bh, nq))
     arrays = [q_k, k_k, call.to_kernel(v, (call.bh_kv, nk, d_v)),
               call.to_kernel(do, (bh, nq, d_v)), stats_k,
               call.to_kernel(delta, (bh, nq))]

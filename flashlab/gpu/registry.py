@@ -185,6 +185,11 @@ KERNELS = (
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
            _F32, **_HELPER),
     Kernel("row_dot", _fixed(device.row_dot), "row_dot", _F32, **_HELPER),
+    # rows' (m, l) <-> the backward's (shift, norm)
+    Kernel("norms_from_sums", _fixed(device.norms_from_sums), "norms",
+           _F32, **_HELPER),
+    Kernel("sums_from_norms", _fixed(device.sums_from_norms), "sums",
+           _F32, **_HELPER),
     Kernel("find_bad_columns", _fixed(device.find_bad_columns),
            "find_bad", _F32, **_HELPER),
     # V's bad parts, V read as int32 words of values of 32, 16, 8 bits
@@ -335,8 +340,10 @@ def argument_types(args):
         "backward16_fused_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                  int32[:, :, ::1], a3, *common,
                                  uint64[::1]),
-        "combine": (a3, a2, a3, a2, float32),
+        "combine": (a3, a2, a2, a3, a2, a2, float32),
         "row_dot": (a3, a3, a2),
+        "norms": (a2, a2, a2),
+        "sums": (a2, a2, a2),
         "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),
         "find_bad": (a3, b2),
         "find_parts": (int32[:, :, ::1], parts, int64),  # V as words
