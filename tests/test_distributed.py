@@ -6,6 +6,7 @@ gradients against the float64 reference of the whole sequence, within
 the same rounding budget as the tiled path (1e-12 in float64).
 """
 
+import contextlib
 import itertools
 import os
 import socket
@@ -27,12 +28,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, seed):
+@contextlib.contextmanager
+def _gloo(rank, world, port):
+    """This process as rank of a gloo group of world CPU processes."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank, world, port, seed):
+    with _gloo(rank, world, port):
         rng = np.random.default_rng(seed)
         n, d = 8 * world, 16
         q, k, v, do = (rng.standard_normal((2, 3, n, d)) for _ in range(4))
@@ -66,8 +76,6 @@ def _worker(rank, world, port, seed):
                     w_r = distributed.split(w, world, layout)[rank]
                     err = np.max(np.abs(g.numpy() - w_r))
                     assert err < TOL, (layout, causal, "d" + name, err)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -78,15 +86,11 @@ def test_ring_matches_the_reference(world):
 
 
 def _hot_worker(rank, world, port, seed):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    try:
+    with _gloo(rank, world, port):
         rng = np.random.default_rng(seed)
         n, d = 8 * world, 16
-        # scores of a few hundred: every row's lse is past merge.LSE_EXACT,
-        # where a piece's keys alone would give P its own m and l
+        # scores of hundreds: most rows' lse is past merge.LSE_EXACT, where
+        # a piece's keys alone would give P its own m and l
         q, k, v, do = (rng.standard_normal((1, 2, n, d)) for _ in range(4))
         for hot in (300.0, -300.0):
             for causal in (False, True):
@@ -123,8 +127,6 @@ def _hot_worker(rank, world, port, seed):
         want = distributed.split(mean, world, "zigzag")[rank]
         err = np.max(np.abs(out.numpy() - want))
         assert err < 1e-5, err  # float32 rounding of a mean of <= 32
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_is_exact_at_large_scores():
