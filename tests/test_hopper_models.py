@@ -510,3 +510,15 @@ def test_backward_v8_fused_columns_read_through_half_panel_descriptors():
                 64 * c + s * step, lbo, sbo), 32, True)
             np.testing.assert_array_equal(
                 b, k[16 * s:16 * s + 16, 32 * c:32 * c + 32])
+
+
+def test_forward_v8_refuses_key_tiles_its_mask_bits_cannot_hold(
+        monkeypatch):
+    # a lane's allowed pairs are one int64: 2 rows x Bc / 4 keys, so
+    # 160 keys a tile would shift past bit 63 and unmask pairs silently
+    from flashlab.gpu import forward_v8
+
+    monkeypatch.setitem(forward_v8.BLOCK_K, 128, 160)
+    with pytest.raises(ValueError, match="BLOCK_K: at most 128 keys"):
+        forward_v8.make(128, 128)
+    assert 2 * forward_v8.MAX_BLOCK_K // 4 == 64  # bits a lane holds

@@ -78,6 +78,9 @@ REGISTERS = {2: (168, 24, 240), 3: (128, 32, 160)}
 # keys per K/V tile, by d: at d = 64, S (Bc / 2 registers a thread), P
 # and O must fit the 160 registers of three consumer warpgroups
 BLOCK_K = {64: 128, 128: 128}
+# a lane holds 2 rows x Bc / 4 keys of S, and warp.mask_scores keeps
+# their allowed bits in one int64: Bc is at most 128
+MAX_BLOCK_K = 128
 BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
 # mbarrier numbers: Q full, K full (2 stages), V full, K empty, V empty
 Q_FULL, K_FULL, V_FULL, K_EMPTY, V_EMPTY = 0, 1, 3, 5, 7
@@ -157,6 +160,9 @@ def make(D, D_V, kind="bf16"):
     size, eight = BYTES[kind], kind == "e4m3"
     pack = {"bf16": pack_bf16x2, "f16": pack_f16x2}.get(kind, pack_bf16x2)
     BR, BC = block_rows(D, D_V), BLOCK_K[D]
+    if BC > MAX_BLOCK_K:
+        raise ValueError(f"BLOCK_K: at most {MAX_BLOCK_K} keys a tile "
+                         f"(a lane's mask bits are one int64), got {BC}")
     CONSUMERS = 128 * groups(D, D_V)  # consumer threads
     _, keep, grow = REGISTERS[groups(D, D_V)]
     # three warpgroups' 160 registers hold S, P and O but not a mask's or
