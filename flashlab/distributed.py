@@ -117,14 +117,18 @@ def ring_attention(q, k, v, *, causal=False, scale=None,
     The arguments of every rank are gathered and checked before any K/V
     moves, so a rank that holds other shapes or dtypes gets the same
     error on every rank rather than a collective that hangs or aborts.
+    Over NCCL that gather waits for the GPU (all_gather_object copies
+    to the host), once a call; a ring of one has no peers to ask.
     """
     mine = _describe(q, k, v, causal, scale, layout)
     if not dist.is_initialized():
         _check_ring([mine])  # bad input first: it needs no peers
         raise RuntimeError("ring_attention needs torch.distributed: call "
                            "dist.init_process_group first")
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = [mine]
+    if dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
     _check_ring(everyone, dist.get_backend(group))
     return _Ring.apply(q, k, v, bool(causal), scale, layout, group)
 
