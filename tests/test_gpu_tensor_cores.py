@@ -212,7 +212,11 @@ def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
     x64 = [x.double().cpu().numpy() for x in (q, k, v, do)]
     o64, lse64 = tiled.attention(*x64[:3], return_lse=True, **opts)
     want = tiled.attention_backward(*x64[:3], o64, lse64, x64[3], **opts)
-    causal = opts.get("causal") is True
+    # Nq = Nk here, so bottom-right is the top-left mask flash takes; the
+    # fair scale of a causal result is flash's causal error (seed
+    # 330934803823114915087986246538959161556: every backward, flash's
+    # too, is 1.4e-2 from float64 in dQ causal, twice flash's non-causal)
+    causal = opts.get("causal") in (True, "bottom_right")
     kf, vf = (x.expand(-1, 2, -1, -1) for x in (k, v))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION if dtype == "bfloat16"
                      else SDPBackend.EFFICIENT_ATTENTION):
