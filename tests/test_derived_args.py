@@ -83,9 +83,11 @@ def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
     # what v8's update reads from a packed launch: each array's data
     # pointer and dims, as the caller packed them
     class Ring:
+        base, words, made = 0x5000, 48, [0, 0]  # as forward_v8._Slots
+
         def address(self, key, make, stream):
             self.seen = key, stream
-            return 0x5000
+            return self.base + 48 * 8 * (key[1] == 0x2100)
 
     ring = Ring()
     monkeypatch.setattr(forward_v8, "_SLOTS", [ring])
@@ -119,6 +121,16 @@ def test_v8_maps_are_keyed_by_the_packed_pointers_and_shapes(monkeypatch):
     packed.launch((1, 6), 384, 8)
     assert ring.seen == ((0x1000, 0x2100, 0x3000, dims), 8)
     assert packed.read(1, launch.DATA_FIELD) == 0x2100
+    assert packed.read(9, launch.DATA_FIELD) == 0x5000 + 48 * 8
+    # the same pointers again: the slot found last, without a look-up
+    ring.seen = None
+    packed.launch((1, 6), 384, 9)
+    assert ring.seen is None
+    assert packed.read(9, launch.DATA_FIELD) == 0x5000 + 48 * 8
+    # unless that slot has since been given another set of maps
+    ring.made[1] += 1
+    packed.launch((1, 6), 384, 10)
+    assert ring.seen == ((0x1000, 0x2100, 0x3000, dims), 10)
 
 
 def test_backward_v8_is_registered_with_its_maps_derived():

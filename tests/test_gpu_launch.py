@@ -234,3 +234,80 @@ def test_strided_views_take_the_cached_plan(rng):
     assert len(gpu._plans) == 1
     assert torch.equal(o, gpu.attention(q.contiguous(), k.contiguous(),
                                         v.contiguous(), causal=True))
+
+
+def test_torch_calls_run_the_plan_with_the_plans_own_buffers(
+        rng, monkeypatch):
+    # unpoisoned, as a user calls: flashlab.torch finds the plan by its own
+    # key, and V's flags and an unwanted lse go to buffers the plan keeps
+    # per stream, written afresh by every call
+    import torch
+
+    from flashlab import torch as fl_torch
+
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", False)
+    fl_torch._plans.clear()
+    full = np.full((2, 4), 200)  # padding arrays take the general path
+    for _ in range(2):
+        q, k, v = bf16_qkv(rng, (2, 4, 200), (2, 4, 200))
+        o, lse = fl_torch.attention(q, k, v, is_causal=True,
+                                    return_lse=True)
+        check_bf16(o, q, k, v, causal=True)
+        slow, slow_lse = gpu.attention(q, k, v, causal=True,
+                                       kv_lengths=full, return_lse=True)
+        assert torch.equal(o, slow) and torch.equal(lse, slow_lse)
+        assert torch.equal(fl_torch.attention(q, k, v, is_causal=True), o)
+    assert len(fl_torch._plans) == 1
+    # V's flags are rewritten by each call: an inf, then none again
+    v[1, 2, 150, 7] = float("inf")
+    bad = fl_torch.attention(q, k, v, is_causal=True).float()
+    assert torch.isnan(bad[1, 2, :, 7]).all()
+    assert not torch.isnan(bad[1, 2, :, :7]).any()
+    assert not torch.isnan(bad[0]).any()
+    v[1, 2, 150, 7] = 0.5
+    again = fl_torch.attention(q, k, v, is_causal=True)
+    check_bf16(again, q, k, v, causal=True)
+    # another stream: buffers of its own
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = fl_torch.attention(q, k, v, is_causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(other, again)
+    # a contiguous q that is not 16-byte aligned: the checked path
+    room = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+    shifted = room[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16
+    assert torch.equal(fl_torch.attention(shifted, k, v, is_causal=True),
+                       again)
+    # dropout's seed drawn from torch's generator, through the plan
+    drops = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        drops.append(fl_torch.attention(q, k, v, dropout_p=0.25))
+    torch.manual_seed(3)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    assert torch.equal(drops[0], drops[1])
+    assert torch.equal(drops[1], gpu.attention(
+        q, k, v, dropout_p=0.25, seed=seed, kv_lengths=full))
+
+
+def test_backward_plan_keeps_its_scratch_per_stream(rng, monkeypatch):
+    # D and the rows' statistics live in buffers the backward plan keeps:
+    # each call's gradients, on new data, match the general path's
+    import torch
+
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", False)
+    full = np.full((2, 4), 160)
+    for _ in range(3):
+        q, k, v, do = bf16_qkv(rng, (2, 4, 160), (2, 4, 160)) + bf16_qkv(
+            rng, (2, 4, 160), (2, 4, 160))[:1]
+        o, lse = gpu.attention(q, k, v, causal=True, return_lse=True)
+        fast = gpu.attention_backward(q, k, v, o, lse, do, causal=True)
+        slow = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
+                                      kv_lengths=full)
+        for f, s in zip(fast, slow):  # D in another order: as above
+            unit = float(torch.finfo(f.dtype).eps)
+            assert float((f - s).abs().max()) <= (1e-4 + unit) * float(
+                s.abs().max())

@@ -456,16 +456,19 @@ _quad_bit = inline(quad_bit)  # find_bad_parts' own
 def _find_bad_parts(width):
     """find_bad_parts for values of `width` bits (32, 16 or 8)."""
     per = 32 // width  # values in a 32-bit word
+    # each value's lowest and highest bit, in every place of a word
+    low = np.uint32(sum(1 << (width * y) for y in range(per)))
+    high = np.uint32(low << np.uint32(width - 1))
 
     @inline
-    def bad_values(x, exponent):
-        """Bit y: value y of word x has every exponent bit set (the mask
-        lies within a value's bits, so the shift's sign bits drop out)."""
-        bits = int32(0)
-        for y in range(per):
-            if ((x >> (width * y)) & exponent) == exponent:
-                bits |= int32(1 << y)
-        return bits
+    def bad_values(x, exponents):
+        """The top bit of each value of word x whose `exponents` bits are
+        all set: ~x & exponents is 0 in such a value only, and with the
+        value's top bit set first (the exponent bits leave it clear),
+        subtracting 1 borrows from that bit alone, never from the next
+        value, so one subtraction tests every value of the word."""
+        t = (~x & exponents) | high
+        return ~(t - low) & high
 
     @cuda.jit
     def find_bad_parts(v, parts, exponent):
@@ -477,44 +480,51 @@ def _find_bad_parts(width):
         `exponent` bit is set (EXPONENT_BITS). Block (c, b) reads chunk c
         of V[b]'s rows once: thread t keeps word column t % words, a
         row of words per `words` threads, four loads in flight, and ORs
-        what it saw into its column's shared word at the end; the block's
-        first QUADS threads then write the chunk's words, set or not, so
-        no memset runs first.
+        what it saw into its column's shared word at the end; then a
+        thread per column sets its bit in the chunk's QUADS words, which
+        the first QUADS threads write, set or not, so no memset runs
+        first.
         """
-        seen = cuda.shared.array(PART_COLUMNS, int32)  # bit y of word w
+        seen = cuda.shared.array(PART_COLUMNS, uint32)  # bad values' tops
+        quads = cuda.shared.array(QUADS, uint32)
         b, c, t = cuda.blockIdx.y, cuda.blockIdx.x, cuda.threadIdx.x
         nk, words = v.shape[1], v.shape[2]
         rows = (nk + parts.shape[1] - 1) // parts.shape[1]
         r0 = c * rows
         r1 = min(nk, r0 + rows)
+        exponents = uint32(exponent) * low  # in every place of a word
         for w in range(t, words, cuda.blockDim.x):
             seen[w] = 0
+        if t < QUADS:
+            quads[t] = 0
         cuda.syncthreads()  # every word cleared before a thread ORs one
         step = cuda.blockDim.x // words  # rows a pass of the block reads
         if t < step * words:
             w = t % words
-            bits = int32(0)
+            bits = uint32(0)
             r = r0 + t // words
             while r + 3 * step < r1:  # independent loads, then the tests
-                x0, x1 = v[b, r, w], v[b, r + step, w]
-                x2, x3 = v[b, r + 2 * step, w], v[b, r + 3 * step, w]
-                bits |= (bad_values(x0, exponent) | bad_values(x1, exponent)
-                         | bad_values(x2, exponent)
-                         | bad_values(x3, exponent))
+                x0, x1 = uint32(v[b, r, w]), uint32(v[b, r + step, w])
+                x2 = uint32(v[b, r + 2 * step, w])
+                x3 = uint32(v[b, r + 3 * step, w])
+                bits |= (bad_values(x0, exponents)
+                         | bad_values(x1, exponents)
+                         | bad_values(x2, exponents)
+                         | bad_values(x3, exponents))
                 r += 4 * step
             while r < r1:
-                bits |= bad_values(v[b, r, w], exponent)
+                bits |= bad_values(uint32(v[b, r, w]), exponents)
                 r += step
             if bits:
-                cuda.atomic.or_(seen, w, bits)
-        cuda.syncthreads()  # the chunk's words complete before the store
+                cuda.atomic.or_(seen, w, uint32(bits))
+        cuda.syncthreads()  # the chunk's words complete before the bits
+        if t < words * per and (seen[t // per] >> uint32(
+                width * (t % per) + width - 1)) & 1:
+            q, bit = _quad_bit(t)  # column t
+            cuda.atomic.or_(quads, q, uint32(1) << uint32(bit))
+        cuda.syncthreads()
         if t < QUADS:  # word t, from every column
-            flags = int32(0)
-            for x in range(words * per):
-                q, bit = _quad_bit(x)
-                if q == t and (seen[x // per] >> (x % per)) & 1:
-                    flags |= int32(1) << int32(bit)
-            parts[b, c, t] = flags
+            parts[b, c, t] = int32(quads[t])
 
     return find_bad_parts
 

@@ -461,6 +461,8 @@ class _Slots:
         self.base = self.device.__cuda_array_interface__["data"][0]
         self.copied = [None] * self.SLOTS  # each slot's copy event
         self.keys = [None] * self.SLOTS
+        self.made = [0] * self.SLOTS  # each slot's sets so far: a caller
+        # that remembers a slot checks that it still holds its set
         self.slot_of = {}
         self.next = 0
 
@@ -476,6 +478,7 @@ class _Slots:
                 self.copied[slot].synchronize()  # long done, as a rule
                 del self.slot_of[self.keys[slot]]
             self.host[slot] = make()
+            self.made[slot] += 1
             on = cuda.external_stream(stream)
             self.device[slot].copy_to_device(self.host[slot], stream=on)
             self.copied[slot] = cuda.event(timing=False)
@@ -505,16 +508,25 @@ def _maps_for(packed, stream, eight=False):
                         packed.pointer(2))
     if not _SLOTS:
         _SLOTS.append(_Slots())
+    last = packed.memo.get("v8 last")  # a loop's calls: the same tensors
+    if last is not None and last[0] == q_at and last[1] == k_at \
+            and last[2] == v_at and _SLOTS[0].made[last[3]] == last[4]:
+        return last[5]
     bh, nq, d, bh_kv, nk, _, _, n1, n2 = dims
+    slots = _SLOTS[0]
     if eight:  # V^T: (bh_kv, d_v, keys)
-        return _SLOTS[0].address(
+        at = slots.address(
             (q_at, k_at, v_at, dims, 1),
             lambda: tensor_maps_e4m3(q_at, k_at, v_at, bh, nq, bh_kv, nk,
                                      d, n1, n2), stream)
-    return _SLOTS[0].address(
-        (q_at, k_at, v_at, dims),
-        lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d, n2),
-        stream)
+    else:
+        at = slots.address(
+            (q_at, k_at, v_at, dims),
+            lambda: tensor_maps(q_at, k_at, v_at, bh, nq, bh_kv, nk, d,
+                                n2), stream)
+    slot = (at - slots.base) // (slots.words * 8)
+    packed.memo["v8 last"] = (q_at, k_at, v_at, slot, slots.made[slot], at)
+    return at
 
 
 def derived(d, d_v, eight=False):

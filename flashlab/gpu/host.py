@@ -97,7 +97,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                      options)
     plan = _plans.get(fast) if fast is not None else None
     if plan is not None:  # checked when the plan was made: same key
-        o, lse = plan(q, k, v, seed)
+        o, lse = plan.run(q, k, v, seed, return_lse is True)
         return (o, lse) if return_lse is True else o
     tiled.check_order(order, ORDERS)
     return_lse = check_flag("return_lse", return_lse)
@@ -118,7 +118,7 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                 scale=scale, causal=causal, mask=None, window=window,
                 kv_lengths=None, dropout_p=dropout_p, seed=seed,
                 align=align), block_q, block_k)
-        o, lse = plan(q, k, v, seed)
+        o, lse = plan.run(q, k, v, seed, return_lse)
         return (o, lse) if return_lse else o
     if num_splits == "auto" and version in SPLIT_VERSIONS:
         num_splits = choose_splits(q.shape[-2], k.shape[-2],
@@ -776,6 +776,22 @@ class _Call:
 _constants = {}
 
 
+def forward_plan(q, k, v, *, block_q=None, block_k=None, scale=None,
+                 causal=False, mask=None, window=None, kv_lengths=None,
+                 dropout_p=0.0, version=None, precision=None, order="fa2",
+                 num_splits=1, align=None, **_):
+    """The prepared plan that `attention` runs for these arguments, once
+    a call has made it; else None. A caller that keeps it (flashlab.torch
+    does, by its own key) calls `plan.run(q, k, v, seed, with_lse)` with
+    arrays of the same shapes, dtypes and device, skipping the checks."""
+    fast = _fast_key(q, k, v, (version, precision, order, num_splits),
+                     dict(block_q=block_q, block_k=block_k, scale=scale,
+                          causal=causal, mask=mask, window=window,
+                          kv_lengths=kv_lengths, dropout_p=dropout_p,
+                          align=align))
+    return None if fast is None else _plans.get(fast)
+
+
 def _on_device(x, constant):
     """x on the device; copied once and kept when it is a default value.
 
@@ -851,10 +867,12 @@ class _ForwardPlan:
     The first call validates everything (`_Call`) and packs both
     launches' parameters (launch.Packed); a call then launches V's
     bad-column flags first, so the GPU works while the host allocates o
-    and lse, writes their and q, k's data pointers (and the dropout
-    seed) into the packed buffers and launches the forward: no numba
-    dispatch, no host-device copy, no synchronization, so CUDA graphs
-    capture it.
+    (and lse, if the caller wants it), writes the data pointers (and the
+    dropout seed) into the packed buffers and launches the forward: no
+    numba dispatch, no host-device copy, no synchronization, so CUDA
+    graphs capture it. The flags, and the lse of a caller that wants
+    none, go to buffers the plan keeps for each stream: only the kernels
+    of this call read them, and the stream's next call runs after them.
     """
 
     def __init__(self, q, k, v, version, dtype, precision, options,
@@ -890,6 +908,10 @@ class _ForwardPlan:
             self._bits(q).view(call.bh, call.nq, d),
             self._bits(k).view(call.bh_kv, call.nk, d), v3, o3,
             lse.view(call.bh, call.nq), bad, *call.args)
+        self.find_slots = tuple(self.find.slot(a) for a in range(2))
+        self.main_slots = tuple(self.main.slot(a) for a in range(6))
+        self._scratch = {}  # stream -> (bad-column flags, spare lse)
+        self._empty, self._float32 = torch.empty, torch.float32
 
     def _bits(self, x):
         """x as the kernels read it: 16-bit values as int16 bits."""
@@ -917,23 +939,64 @@ class _ForwardPlan:
                            device=self.device)
 
     def __call__(self, q, k, v, seed):
+        return self.run(q, k, v, seed, True)
+
+    def run(self, q, k, v, seed, with_lse):
+        """(o, lse) of one call, lse None unless `with_lse` (the kernel
+        then writes it into a buffer of the plan's); None where q, k or v
+        is contiguous but not 16-byte aligned, which the general path
+        takes (`_fast_key`)."""
         if self.rules.use_dropout:
             _check_seed(seed)
-        (v,) = _dense(v)
-        bad = self._flags()
+        if not v.is_contiguous():
+            v = v.contiguous()  # a copy starts aligned
+        elif v.data_ptr() & 15:
+            return None
         stream = self.stream_of()
-        self.find.point(0, v.data_ptr())
-        self.find.point(1, bad.data_ptr())
-        self.find.launch(self.find_grid, device.FIND_THREADS, stream)
-        q, k = _dense(q, k)
-        o, lse = self._outputs()
-        main = self.main
-        for arg, x in enumerate((q, k, v, o, lse, bad)):
-            main.point(arg, x.data_ptr())
+        poison = _poisoned()
+        scratch = None if poison else self._scratch.get(stream)
+        if scratch is None:
+            scratch = self._new_scratch(stream, poison)
+        bad, spare_lse = scratch
+        find = self.find
+        find.words[self.find_slots[0]] = v.data_ptr()
+        find.words[self.find_slots[1]] = bad.data_ptr()
+        find.launch(self.find_grid, device.FIND_THREADS, stream)
+        if not q.is_contiguous():
+            q = q.contiguous()
+        elif q.data_ptr() & 15:
+            return None
+        if not k.is_contiguous():
+            k = k.contiguous()
+        elif k.data_ptr() & 15:
+            return None
+        o = self._empty(self.o_shape, dtype=self.dtype, device=self.device)
+        lse = spare_lse if not with_lse else self._empty(
+            self.lse_shape, dtype=self._float32, device=self.device)
+        if poison:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        main, words = self.main, self.main.words
+        for at, x in zip(self.main_slots, (q, k, v, o, lse, bad)):
+            words[at] = x.data_ptr()
         if self.rules.use_dropout:
             main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
-        return o, lse
+        return o, (lse if with_lse else None)
+
+    def _new_scratch(self, stream, poison):
+        """V's bad-column flags, and an lse for calls that want none, for
+        calls on `stream`: kept for the stream's next call (its kernels
+        run after this call's), made anew for each call a CUDA graph
+        captures (the graph's pool owns them) or that poisons outputs."""
+        import torch
+
+        bad = self._flags()
+        lse = torch.empty(self.lse_shape, dtype=torch.float32,
+                          device=self.device)
+        if not (poison or torch.cuda.is_current_stream_capturing()):
+            self._scratch[stream] = bad, lse
+        return bad, lse
 
 
 class _BackwardPlan:
@@ -958,6 +1021,7 @@ class _BackwardPlan:
         import torch
 
         self.fused = names[1] is None
+        self._scratch = {}  # stream -> (D, the rows' statistics)
         dkv_tr, dq_tr = (traits.traits(n or names[0], d, d_v)
                          for n in names)
         # 16-bit pairs with dK, dV per K/V head, or float32 per query head
@@ -999,6 +1063,17 @@ class _BackwardPlan:
                                                  *call.args)
         self.dq = kernel(names[1], d, d_v).pack(*inputs, dq, *call.args)
 
+    def _new_scratch(self, stream, q):
+        """D and the rows' statistics for calls on `stream`, kept for its
+        next call (whose kernels run after this call's) unless a CUDA
+        graph captures this one or outputs are poisoned."""
+        import torch
+
+        scratch = self._delta(q), self._stats(q)
+        if not (_poisoned() or torch.cuda.is_current_stream_capturing()):
+            self._scratch[stream] = scratch
+        return scratch
+
     def _kernel_view(self, grad, shape):
         """A gradient as its kernel writes it: (BH, N, d) float32, or 16-bit
         pairs (BH, N, d / 2)."""
@@ -1036,13 +1111,15 @@ class _BackwardPlan:
 
     def __call__(self, q, k, v, o, lse, do, seed):
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
-        delta = self._delta(q)
-        dq, dk, dv = self._grads(q)
         stream = self.stream_of()
+        scratch = self._scratch.get(stream)
+        if scratch is None:
+            scratch = self._new_scratch(stream, q)
+        delta, stats = scratch
+        dq, dk, dv = self._grads(q)
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
-        stats = self._stats(q)
         for arg, x in enumerate((q, k, lse, stats)):
             self.statistics.point(arg, x.data_ptr())
         self.statistics.launch(self.row_grid, device.THREADS, stream)

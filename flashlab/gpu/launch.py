@@ -209,8 +209,11 @@ class Packed:
         self.extra = (ctypes.c_void_p * 5)(
             1, ctypes.addressof(self.buffer), 2,
             ctypes.addressof(self._size), 0)
-        self._offsets = {}  # argument -> its data pointer's offset
-        self.pointers = {}  # argument -> the data pointer set last
+        # the buffer as 64-bit words: a data pointer sits at its natural
+        # alignment, so writing one is a single store into one word
+        self.words = (ctypes.c_uint64 * (layout.fmt.size // 8)).from_buffer(
+            self.buffer)
+        self._slots = {}  # argument -> the word of its data pointer
         self._configs = {}  # (grid, block, shared) -> leading arguments
         self.memo = {}  # what a Derived update keeps for this buffer
 
@@ -222,19 +225,26 @@ class Packed:
 
     def point(self, arg, ptr):
         """Set the data pointer of array argument `arg`."""
-        at = self._offsets.get(arg)
+        at = self._slots.get(arg)
         if at is None:
-            at = self._offsets[arg] = self.kernel.layout.offset(
-                arg, DATA_FIELD)
-        _POINTER.pack_into(self.buffer, at, ptr)
-        self.pointers[arg] = ptr
+            at = self._slots[arg] = self.slot(arg)
+        self.words[at] = ptr
+
+    def slot(self, arg):
+        """The index in `words` of array argument `arg`'s data pointer:
+        a plan writes `words[slot] = ptr` with no call in between."""
+        at = self.kernel.layout.offset(arg, DATA_FIELD)
+        if at % 8:  # numba's array fields are 8-byte: never, unless the
+            # ABI changes under us
+            raise ValueError(f"arg: {arg} is not an array argument")
+        return at // 8
 
     def pointer(self, arg):
         """The data pointer of array argument `arg`, as packed."""
-        ptr = self.pointers.get(arg)
-        if ptr is None:
-            ptr = self.pointers[arg] = self.read(arg, DATA_FIELD)
-        return ptr
+        at = self._slots.get(arg)
+        if at is None:
+            at = self._slots[arg] = self.slot(arg)
+        return self.words[at]
 
     def put(self, arg, field, code, value):
         """Set value `field` (struct code `code`) of argument `arg`."""
@@ -264,9 +274,6 @@ class Packed:
         if err:
             raise RuntimeError(f"cuLaunchKernel of {kernel.name}: "
                                f"CUresult {err}")
-
-
-_POINTER = struct.Struct("<Q")
 
 
 class Derived(NamedTuple):

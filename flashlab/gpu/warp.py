@@ -444,34 +444,63 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
     online_softmax(sf, m, l, al, tiles, rules, poly)
 
 
-DOT_ROWS = THREADS // 32  # rows of a row_dot16 block: a warp each
+DOT_PER_WARP = 4  # rows a warp of row_dot16 sums: 2 x 4 loads in flight
+DOT_ROWS = THREADS // 32 * DOT_PER_WARP  # rows of a row_dot16 block
+
+
+@inline
+def warp_total(acc):
+    """The sum of acc over the warp's lanes, in every lane."""
+    width = 16
+    while width > 0:
+        acc += cuda.shfl_xor_sync(FULL_MASK, acc, width)
+        width //= 2
+    return acc
 
 
 def _row_dot16(unpack):
     """row_dot16 for one 16-bit kind (its pair-widening intrinsic)."""
 
+    @inline
+    def pair_dot(a, c):
+        a0, a1 = unpack(a)
+        c0, c1 = unpack(c)
+        return a0 * c0 + a1 * c1
+
     @cuda.jit
     def row_dot16(do, o, delta):
         """D_i = rowsum(dO_i o O_i) in float32 from 16-bit pairs (BH, N,
-        d_v / 2): the backward's one preparation. A warp per row, blocks
-        of DOT_ROWS rows: lane x reads pairs x, x + 32, ..., so each load
-        of the warp is one contiguous 128-byte run, and the lanes' sums
-        meet by shuffles."""
+        d_v / 2): the backward's one preparation. A warp per
+        DOT_PER_WARP rows, blocks of DOT_ROWS rows: lane x reads pairs x,
+        x + 32, ... of each, so each load of the warp is one contiguous
+        128-byte run, the rows' loads are in flight together (one row a
+        warp left the memory system waiting on too few), and the lanes'
+        sums meet by shuffles."""
         b = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
-        i = cuda.blockIdx.x * DOT_ROWS + cuda.threadIdx.x // 32
-        if i < do.shape[1]:  # the whole warp or none of it
-            acc = F0
+        i = (cuda.blockIdx.x * DOT_ROWS
+             + cuda.threadIdx.x // 32 * DOT_PER_WARP)
+        n = do.shape[1]
+        if i < n:  # the whole warp or none of it
+            acc0, acc1, acc2, acc3 = F0, F0, F0, F0
             for x in range(lane, do.shape[2], 32):
-                a0, a1 = unpack(do[b, i, x])
-                c0, c1 = unpack(o[b, i, x])
-                acc += a0 * c0 + a1 * c1
-            width = 16
-            while width > 0:
-                acc += cuda.shfl_xor_sync(FULL_MASK, acc, width)
-                width //= 2
+                acc0 += pair_dot(do[b, i, x], o[b, i, x])
+                if i + 1 < n:
+                    acc1 += pair_dot(do[b, i + 1, x], o[b, i + 1, x])
+                if i + 2 < n:
+                    acc2 += pair_dot(do[b, i + 2, x], o[b, i + 2, x])
+                if i + 3 < n:
+                    acc3 += pair_dot(do[b, i + 3, x], o[b, i + 3, x])
+            acc0, acc1 = warp_total(acc0), warp_total(acc1)
+            acc2, acc3 = warp_total(acc2), warp_total(acc3)
             if lane == 0:
-                delta[b, i] = acc
+                delta[b, i] = acc0
+            elif lane == 1 and i + 1 < n:
+                delta[b, i + 1] = acc1
+            elif lane == 2 and i + 2 < n:
+                delta[b, i + 2] = acc2
+            elif lane == 3 and i + 3 < n:
+                delta[b, i + 3] = acc3
 
     return row_dot16
 
