@@ -53,9 +53,7 @@ def _forward(q, k, v, mask, kv_lengths, seed, options, with_lse=True):
     key = None
     if mask is None and kv_lengths is None:
         # a call like one before runs its GPU plan without the checks
-        key = (options, q.shape, k.shape, v.shape, q.dtype, k.dtype,
-               v.dtype, type(q), type(k), type(v), q.get_device(),
-               k.get_device(), v.get_device())
+        key = _plan_key(options, q, k, v)
         ready = _plans.get(key)
         if ready is not None:
             plan, fixed_seed = ready
@@ -80,6 +78,13 @@ def _forward(q, k, v, mask, kv_lengths, seed, options, with_lse=True):
     o, lse = _cpu_backend(q, k, v, kw, splits).attention(
         *_numpy(q, k, v), return_lse=True, num_splits=splits, **kw)
     return torch.from_numpy(o), torch.from_numpy(lse)
+
+
+def _plan_key(options, q, k, v):
+    """What `_plans` knows a call by: everything a plan's checks read."""
+    return (options, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+            type(q), type(k), type(v), q.get_device(), k.get_device(),
+            v.get_device())
 
 
 def _cpu_backend(q, k, v, kw, num_splits=1):

@@ -948,8 +948,16 @@ class _ForwardPlan:
         takes (`_fast_key`)."""
         if self.rules.use_dropout:
             _check_seed(seed)
+        if not q.is_contiguous():
+            q = q.contiguous()  # a copy starts aligned
+        elif q.data_ptr() & 15:
+            return None
+        if not k.is_contiguous():
+            k = k.contiguous()
+        elif k.data_ptr() & 15:
+            return None
         if not v.is_contiguous():
-            v = v.contiguous()  # a copy starts aligned
+            v = v.contiguous()
         elif v.data_ptr() & 15:
             return None
         stream = self.stream_of()
@@ -962,14 +970,6 @@ class _ForwardPlan:
         find.words[self.find_slots[0]] = v.data_ptr()
         find.words[self.find_slots[1]] = bad.data_ptr()
         find.launch(self.find_grid, device.FIND_THREADS, stream)
-        if not q.is_contiguous():
-            q = q.contiguous()
-        elif q.data_ptr() & 15:
-            return None
-        if not k.is_contiguous():
-            k = k.contiguous()
-        elif k.data_ptr() & 15:
-            return None
         o = self._empty(self.o_shape, dtype=self.dtype, device=self.device)
         lse = spare_lse if not with_lse else self._empty(
             self.lse_shape, dtype=self._float32, device=self.device)
