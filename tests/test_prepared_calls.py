@@ -80,6 +80,11 @@ def test_flags_and_an_unwanted_lse_are_kept_per_stream(plan):
     plan.run(q, k, v, None, False)
     assert plan.main.words[5] != flags and plan.main.words[4] != spare
     assert set(plan._scratch) == {7, 9}
+    for stream in range(10, 10 + host.SCRATCH_STREAMS):  # a stream a call
+        plan.stream = stream
+        plan.run(q, k, v, None, False)
+        assert len(plan._scratch) <= host.SCRATCH_STREAMS
+    assert stream in plan._scratch
 
 
 def test_poisoned_outputs_keep_no_buffers(plan, monkeypatch):

@@ -995,7 +995,7 @@ class _ForwardPlan:
         lse = torch.empty(self.lse_shape, dtype=torch.float32,
                           device=self.device)
         if not (poison or torch.cuda.is_current_stream_capturing()):
-            self._scratch[stream] = bad, lse
+            _keep(self._scratch, stream, (bad, lse))
         return bad, lse
 
 
@@ -1071,7 +1071,7 @@ class _BackwardPlan:
 
         scratch = self._delta(q), self._stats(q)
         if not (_poisoned() or torch.cuda.is_current_stream_capturing()):
-            self._scratch[stream] = scratch
+            _keep(self._scratch, stream, scratch)
         return scratch
 
     def _kernel_view(self, grad, shape):
@@ -1143,6 +1143,19 @@ class _BackwardPlan:
                       for g in (dk, dv))
         return (dq, dk.view(self.out_shapes[1]),
                 dv.view(self.out_shapes[2]))
+
+
+SCRATCH_STREAMS = 8  # streams a plan keeps buffers for at once
+
+
+def _keep(scratch, stream, buffers):
+    """scratch[stream] = buffers, emptying a full `scratch` first. Letting
+    a stream's buffers go is safe while its kernels still read them:
+    torch's allocator gives a freed block only to later allocations on
+    the stream it was made on (the call's own), which run after them."""
+    if len(scratch) >= SCRATCH_STREAMS:
+        scratch.clear()
+    scratch[stream] = buffers
 
 
 def _check_seed(seed):
