@@ -33,11 +33,10 @@ class Packed:
 
 
 @pytest.fixture
-def plan(monkeypatch):
+def plan():
     """A forward plan of (2, 5, 8) float32 q, k, v, without its kernels."""
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
-                        lambda: False)
     made = object.__new__(host._ForwardPlan)
+    made._capturing = lambda: False
     made.find, made.main = Packed(2), Packed(6)
     made.find_slots, made.main_slots = (0, 1), tuple(range(6))
     made.find_grid, made.grid, made.threads = (1, 2), (1, 2), 384
@@ -85,6 +84,20 @@ def test_flags_and_an_unwanted_lse_are_kept_per_stream(plan):
         plan.run(q, k, v, None, False)
         assert len(plan._scratch) <= host.SCRATCH_STREAMS
     assert stream in plan._scratch
+
+
+def test_a_graph_s_capture_gets_buffers_of_its_own(plan):
+    # a graph replays with the pointers it captured: not the buffers the
+    # plan keeps, which a later eager call reuses and a full table frees
+    q, k, v = qkv()
+    plan.run(q, k, v, None, False)
+    kept = dict(plan._scratch)
+    plan._capturing = lambda: True
+    plan.run(q, k, v, None, False)
+    flags, spare = kept[7]
+    assert plan.main.words[5] != flags.data_ptr()
+    assert plan.main.words[4] != spare.data_ptr()
+    assert plan._scratch == kept
 
 
 def test_poisoned_outputs_keep_no_buffers(plan, monkeypatch):

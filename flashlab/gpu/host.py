@@ -911,6 +911,7 @@ class _ForwardPlan:
         self.find_slots = tuple(self.find.slot(a) for a in range(2))
         self.main_slots = tuple(self.main.slot(a) for a in range(6))
         self._scratch = {}  # stream -> (bad-column flags, spare lse)
+        self._capturing = capture_reader()
         self._empty, self._float32 = torch.empty, torch.float32
 
     def _bits(self, x):
@@ -962,9 +963,12 @@ class _ForwardPlan:
             return None
         stream = self.stream_of()
         poison = _poisoned()
-        scratch = None if poison else self._scratch.get(stream)
+        # a graph's capture gets buffers of the graph's own pool: kept
+        # ones could be freed (or used by an eager call) under a replay
+        fresh = poison or self._capturing()
+        scratch = None if fresh else self._scratch.get(stream)
         if scratch is None:
-            scratch = self._new_scratch(stream, poison)
+            scratch = self._new_scratch(stream, fresh)
         bad, spare_lse = scratch
         find = self.find
         find.words[self.find_slots[0]] = v.data_ptr()
@@ -984,7 +988,7 @@ class _ForwardPlan:
         main.launch(self.grid, self.threads, stream)
         return o, (lse if with_lse else None)
 
-    def _new_scratch(self, stream, poison):
+    def _new_scratch(self, stream, fresh):
         """V's bad-column flags, and an lse for calls that want none, for
         calls on `stream`: kept for the stream's next call (its kernels
         run after this call's), made anew for each call a CUDA graph
@@ -994,7 +998,7 @@ class _ForwardPlan:
         bad = self._flags()
         lse = torch.empty(self.lse_shape, dtype=torch.float32,
                           device=self.device)
-        if not (poison or torch.cuda.is_current_stream_capturing()):
+        if not fresh:
             _keep(self._scratch, stream, (bad, lse))
         return bad, lse
 
@@ -1022,6 +1026,7 @@ class _BackwardPlan:
 
         self.fused = names[1] is None
         self._scratch = {}  # stream -> (D, the rows' statistics)
+        self._capturing = capture_reader()
         dkv_tr, dq_tr = (traits.traits(n or names[0], d, d_v)
                          for n in names)
         # 16-bit pairs with dK, dV per K/V head, or float32 per query head
@@ -1063,14 +1068,13 @@ class _BackwardPlan:
                                                  *call.args)
         self.dq = kernel(names[1], d, d_v).pack(*inputs, dq, *call.args)
 
-    def _new_scratch(self, stream, q):
+    def _new_scratch(self, stream, q, fresh):
         """D and the rows' statistics for calls on `stream`, kept for its
         next call (whose kernels run after this call's) unless a CUDA
         graph captures this one or outputs are poisoned."""
-        import torch
 
         scratch = self._delta(q), self._stats(q)
-        if not (_poisoned() or torch.cuda.is_current_stream_capturing()):
+        if not fresh:
             _keep(self._scratch, stream, scratch)
         return scratch
 
@@ -1112,9 +1116,10 @@ class _BackwardPlan:
     def __call__(self, q, k, v, o, lse, do, seed):
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         stream = self.stream_of()
-        scratch = self._scratch.get(stream)
+        fresh = _poisoned() or self._capturing()  # as _ForwardPlan's
+        scratch = None if fresh else self._scratch.get(stream)
         if scratch is None:
-            scratch = self._new_scratch(stream, q)
+            scratch = self._new_scratch(stream, q, fresh)
         delta, stats = scratch
         dq, dk, dv = self._grads(q)
         for arg, x in enumerate((do, o, delta)):
@@ -1146,6 +1151,15 @@ class _BackwardPlan:
 
 
 SCRATCH_STREAMS = 8  # streams a plan keeps buffers for at once
+
+
+def capture_reader():
+    """A function of no arguments: whether a CUDA graph is capturing the
+    current stream (torch's C accessor where it has one)."""
+    import torch
+
+    return getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                   torch.cuda.is_current_stream_capturing)
 
 
 def _keep(scratch, stream, buffers):
