@@ -73,7 +73,7 @@ def _forward(q, k, v, mask, kv_lengths, seed, options, with_lse=True):
             q, k, v, num_splits=splits, **kw)
         if plan is not None:
             seed_of = (_decoded.get(options) or json.loads(options))["seed"]
-            _remember(_plans, key, (plan, seed_of))
+            _remember(_plans, key, (plan, seed_of), gpu.host.PLANS)
         return out
     o, lse = _cpu_backend(q, k, v, kw, splits).attention(
         *_numpy(q, k, v), return_lse=True, num_splits=splits, **kw)
@@ -232,9 +232,9 @@ CACHED = 4096  # entries each; a new seed a call (dropout) must not grow
 # them without end
 
 
-def _remember(cache, key, value):
-    """cache[key] = value, emptying a cache that holds CACHED first."""
-    if len(cache) >= CACHED:
+def _remember(cache, key, value, limit=CACHED):
+    """cache[key] = value, emptying a cache that holds `limit` first."""
+    if len(cache) >= limit:
         cache.clear()
     cache[key] = value
 

@@ -189,3 +189,17 @@ def test_torch_gives_the_plan_the_call_s_seed(monkeypatch):
     torch.manual_seed(0)
     drawn = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     assert found.asked == [(drawn, False)]
+
+
+def test_large_buffers_and_many_plans_are_not_kept(plan, monkeypatch):
+    # a plan keeps a stream's buffers only while they are small, and the
+    # table of plans empties itself when full: many shapes (every prompt
+    # length of a model) cannot hold GPU memory without end
+    monkeypatch.setattr(host, "SCRATCH_BYTES", 2 * 5 * 4 - 1)  # < lse
+    plan.run(*qkv(), None, False)
+    assert plan._scratch == {}
+    monkeypatch.setattr(host, "_plans", {})
+    for key in range(host.PLANS + 3):
+        assert host._new_plan(key, plan) is plan
+        assert len(host._plans) <= host.PLANS
+    assert host.PLANS + 2 in host._plans

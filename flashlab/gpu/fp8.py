@@ -97,6 +97,8 @@ def attention_fp8(q, k, v, *, descale_q=1.0, descale_k=1.0, descale_v=1.0,
                 f"{launch.device_cc()}")
         plan = _Plan(q, k, v, options)
         if key is not None:
+            if len(_plans) >= host.PLANS:  # as flashlab.gpu's own
+                _plans.clear()
             _plans[key] = plan
     o, lse = plan(q, k, v, descales, seed)
     return (o, lse) if return_lse else o

@@ -113,11 +113,11 @@ def attention(q, k, v, *, block_q=None, block_k=None, scale=None,
                         align=align)
     if fast is not None and version in TENSOR_CORE_VERSIONS \
             and num_splits == 1:
-        plan = _plans[fast] = _ForwardPlan(
+        plan = _new_plan(fast, _ForwardPlan(
             q, k, v, version, dtype, precision, dict(
                 scale=scale, causal=causal, mask=None, window=window,
                 kv_lengths=None, dropout_p=dropout_p, seed=seed,
-                align=align), block_q, block_k)
+                align=align), block_q, block_k))
         o, lse = plan.run(q, k, v, seed, return_lse)
         return (o, lse) if return_lse else o
     if num_splits == "auto" and version in SPLIT_VERSIONS:
@@ -329,8 +329,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                             block_k, keys_tr.br)
         if fast is not None:
             _check_saved16(o, lse, do, q, dtype, d_v)
-            plan = _plans[fast] = _BackwardPlan(q, k, v, o, lse, do, dtype,
-                                                options, names)
+            plan = _new_plan(fast, _BackwardPlan(q, k, v, o, lse, do,
+                                                 dtype, options, names))
             return plan(q, k, v, o, lse, do, seed)
         return _backward16(q, k, v, o, lse, do, d, d_v, dtype, options,
                            names, l)
@@ -811,6 +811,17 @@ def _on_device(x, constant):
 
 # One plan per (shapes, dtype, options) of a torch call: see _ForwardPlan
 _plans = {}
+PLANS = 512  # plans kept: a model of many shapes (every prompt length)
+# must not grow them, and the buffers they keep, without end
+
+
+def _new_plan(key, plan):
+    """_plans[key] = plan, emptying a table that holds PLANS first (the
+    plans' kept buffers go back to their streams' pools: `_keep`)."""
+    if len(_plans) >= PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
 
 def _fast_key(q, k, v, choice, options, saved=()):
@@ -998,7 +1009,7 @@ class _ForwardPlan:
         bad = self._flags()
         lse = torch.empty(self.lse_shape, dtype=torch.float32,
                           device=self.device)
-        if not fresh:
+        if not fresh and bad.nbytes + lse.nbytes <= SCRATCH_BYTES:
             _keep(self._scratch, stream, (bad, lse))
         return bad, lse
 
@@ -1074,7 +1085,7 @@ class _BackwardPlan:
         graph captures this one or outputs are poisoned."""
 
         scratch = self._delta(q), self._stats(q)
-        if not fresh:
+        if not fresh and sum(x.nbytes for x in scratch) <= SCRATCH_BYTES:
             _keep(self._scratch, stream, scratch)
         return scratch
 
@@ -1151,6 +1162,9 @@ class _BackwardPlan:
 
 
 SCRATCH_STREAMS = 8  # streams a plan keeps buffers for at once
+# bytes of buffers a plan keeps a stream: an allocation is worth saving
+# on a small call only, where the host's time is the call's
+SCRATCH_BYTES = 1 << 18
 
 
 def capture_reader():
