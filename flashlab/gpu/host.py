@@ -1163,8 +1163,9 @@ class _BackwardPlan:
 
 SCRATCH_STREAMS = 8  # streams a plan keeps buffers for at once
 # bytes of buffers a plan keeps a stream: an allocation is worth saving
-# on a small call only, where the host's time is the call's
-SCRATCH_BYTES = 1 << 18
+# on a small call only, where the host's time is much of the call's (a
+# row's lse is 4 bytes where its q is 128 to 256: small beside the call)
+SCRATCH_BYTES = 1 << 20
 
 
 def capture_reader():
