@@ -203,3 +203,16 @@ def test_large_buffers_and_many_plans_are_not_kept(plan, monkeypatch):
         assert host._new_plan(key, plan) is plan
         assert len(host._plans) <= host.PLANS
     assert host.PLANS + 2 in host._plans
+
+
+def test_forward_plan_takes_the_keywords_flashlab_torch_decodes():
+    # flashlab.torch asks for the plan a CUDA call used with the keywords
+    # it decoded: every one of them is gpu.attention's (no plan on a CPU)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    fl_torch.attention(q, k, v, is_causal=True, dropout_p=0.1, seed=3)
+    options = next(text for text in fl_torch._decoded
+                   if '"seed": 3' in text)
+    kw = fl_torch._decode(options, None, None, None)
+    splits = kw.pop("num_splits")
+    del kw["deterministic"]
+    assert host.forward_plan(q, k, v, num_splits=splits, **kw) is None

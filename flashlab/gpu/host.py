@@ -778,12 +778,13 @@ _constants = {}
 
 def forward_plan(q, k, v, *, block_q=None, block_k=None, scale=None,
                  causal=False, mask=None, window=None, kv_lengths=None,
-                 dropout_p=0.0, version=None, precision=None, order="fa2",
-                 num_splits=1, align=None, **_):
-    """The prepared plan that `attention` runs for these arguments, once
-    a call has made it; else None. A caller that keeps it (flashlab.torch
-    does, by its own key) calls `plan.run(q, k, v, seed, with_lse)` with
-    arrays of the same shapes, dtypes and device, skipping the checks."""
+                 dropout_p=0.0, seed=None, return_lse=False, order="fa2",
+                 num_splits=1, version=None, precision=None, align=None):
+    """The prepared plan that `attention` runs for these arguments (seed
+    and return_lse do not choose it), once a call has made it; else None.
+    A caller that keeps it (flashlab.torch does, by its own key) calls
+    `plan.run(q, k, v, seed, with_lse)` with arrays of the same shapes,
+    dtypes and device, skipping the checks."""
     fast = _fast_key(q, k, v, (version, precision, order, num_splits),
                      dict(block_q=block_q, block_k=block_k, scale=scale,
                           causal=causal, mask=mask, window=window,
@@ -949,9 +950,6 @@ class _ForwardPlan:
 
         return torch.empty(self.bad_shape, dtype=torch.int32,
                            device=self.device)
-
-    def __call__(self, q, k, v, seed):
-        return self.run(q, k, v, seed, True)
 
     def run(self, q, k, v, seed, with_lse):
         """(o, lse) of one call, lse None unless `with_lse` (the kernel
