@@ -232,9 +232,10 @@ CACHED = 4096  # entries each; a new seed a call (dropout) must not grow
 # them without end
 
 
-def _remember(cache, key, value, limit=CACHED):
-    """cache[key] = value, emptying a cache that holds `limit` first."""
-    if len(cache) >= limit:
+def _remember(cache, key, value, limit=None):
+    """cache[key] = value, emptying a cache that holds `limit` (CACHED
+    unless given) first."""
+    if len(cache) >= (CACHED if limit is None else limit):
         cache.clear()
     cache[key] = value
 

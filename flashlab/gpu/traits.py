@@ -199,13 +199,14 @@ def _backward_ws(m, d, d_v, keys):
 
 def _helper(spec):
     """An element-wise kernel: no tiles; find_bad_parts keeps a word per
-    column of V's words in SRAM."""
+    column of V's words, and the chunk's QUADS words, in SRAM."""
     finds_parts = spec.make(0, 0) in (device.find_bad_parts32,
                                       device.find_bad_parts16,
                                       device.find_bad_parts8)
     return dict(br=0, bc=0, threads=spec.threads, k_steps=0, n_tiles=0,
                 o_tiles=0,
-                shared=4 * device.PART_COLUMNS if finds_parts else 0)
+                shared=4 * (device.PART_COLUMNS + device.QUADS)
+                if finds_parts else 0)
 
 
 # a kernel's factory (module.function) -> how its tiles follow from d, d_v
