@@ -145,7 +145,8 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         v8 = registry.argument_types(spec.args)
         assert v8[:-1] == v7 and str(v8[-1]) == "array(uint64, 1d, C)"
         assert spec.derived is not None and spec.grads16
-        assert spec.takes(64, 64) and not spec.takes(128, 128)
+        assert spec.takes(64, 64) and spec.takes(128, 128)
+        assert not spec.takes(64, 128) and not spec.takes(96, 96)
         assert spec.runs_on((9, 0)) and not spec.runs_on((8, 9))
     # the producer's decrease covers the consumers' increase (else the
     # increase waits for ever), within the block's registers
@@ -155,9 +156,11 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         assert keep * 128 + grow * (threads - 128) <= cap * threads
         assert cap * threads <= 65536 < (cap + 8) * threads
     assert backward_v8.shared_bytes(64, 64, fused=True) <= 227 * 1024
-    # version None picks it on Hopper at d = 64 only
+    assert backward_v8.shared_bytes(128, 128) <= 227 * 1024
+    # version None picks it on Hopper at both head dims
     assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 8
-    assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 7
+    assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 8
+    assert registry.backward_version("bfloat16", 128, 128, (8, 0)) == 5
     assert registry.backward_version("float16", 64, 64, (8, 0)) == 5
     assert registry.backward_names(8, "f16") == ("backward_v8_dkv_f16",
                                                  "backward_v7_dq_f16")
@@ -170,6 +173,8 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         fused = registry.argument_types(spec.args)
         assert fused[:-1] == v7 and str(fused[-1]) == "array(uint64, 1d, C)"
         assert spec.derived is not None and spec.grads16
+        # its consumers would spill at d = 128 (its dQ half is 32 more
+        # registers a thread)
         assert spec.takes(64, 64) and not spec.takes(128, 128)
         assert spec.threads == backward_v8.threads()
         assert spec.registers(64, 64) == backward_v8.max_registers()
@@ -178,22 +183,26 @@ def test_backward_v8_is_registered_with_its_maps_derived():
 @pytest.mark.parametrize("d, deterministic, names", [
     (64, True, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16")),
     (64, False, ("backward_v8_fused_bf16", None)),
-    (128, True, ("backward_v7_dkv_bf16", "backward_v7_dq_bf16")),
-    (128, False, ("backward_v7_fused_bf16", None))])
+    (128, True, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16")),
+    (128, False, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16"))])
 def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
         d, deterministic, names):
     # on Hopper (what the simulator stands for here): version None runs
-    # v8 at d = 64 and v7 at 128, each fused only where atomics are
-    # allowed; asking for v8 or v7 by number does the same
+    # v8, fused only where atomics are allowed and its fused kernel is
+    # built (d = 64); asking for v8 by number does the same; v7 by number
+    # runs its own, fused without determinism at either head dim
     from numba import config
 
     from flashlab.gpu import host
 
     if not config.ENABLE_CUDASIM:
         pytest.skip("the simulator stands for a Hopper GPU here")
-    for version in (None, 8 if d == 64 else 7):
+    for version in (None, 8):
         assert host._backward16_names(version, "bfloat16", d, d,
                                       deterministic) == names
+    v7 = ("backward_v7_dkv_bf16", "backward_v7_dq_bf16") if \
+        deterministic else ("backward_v7_fused_bf16", None)
+    assert host._backward16_names(7, "bfloat16", d, d, deterministic) == v7
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -287,15 +287,16 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
 
 
 BACKWARD_V8_SCRIPT = """
+import itertools
 import json
 from flashlab import ptx
 from flashlab.gpu import backward_v7, backward_v8, registry
 out = {}
-for kind in ("bf16", "f16"):
+for kind, d in itertools.product(("bf16", "f16"), backward_v8.HEAD_DIMS):
     spec = registry.get(f"backward_v8_dkv_{kind}")
-    text = backward_v8.compile_ptx(64, 64, kind)
-    v7 = backward_v7.compile_ptx("dkv", 64, 64, kind)
-    out[kind] = dict(
+    text = backward_v8.compile_ptx(d, d, kind)
+    v7 = backward_v7.compile_ptx("dkv", d, d, kind)
+    out[f"{kind} d{d}"] = dict(
         wgmma=text.count("wgmma.mma_async"),
         v7_wgmma=v7.count("wgmma.mma_async"),
         tma=text.count("cp.async.bulk.tensor"),
@@ -303,7 +304,8 @@ for kind in ("bf16", "f16"):
         v7_bars=v7.count("bar.sync"), v7_copies=v7.count("cp.async.cg"),
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
         f64=ptx.float64_ops(text),
-        **ptx.assemble(text, backward_v8.CC, spec.registers(64, 64)))
+        **ptx.assemble(text, backward_v8.CC, spec.registers(d, d)))
+for kind in ("bf16", "f16"):
     spec = registry.get(f"backward_v8_fused_{kind}")
     text = backward_v8.compile_ptx(64, 64, kind, "fused")
     out[kind + " fused"] = dict(
@@ -320,12 +322,12 @@ print(json.dumps(out))
 
 
 def test_backward_v8_copies_by_tma_without_a_block_barrier():
-    # backward_v8's dK/dV kernel: v7's four products a tile pair (the
-    # same wgmma statements), its copies TMA boxes (K_j, V_j, Q_i, dO_i)
-    # where v7 copies with cp.async, and its one block barrier the one
-    # after the mbarriers' set-up (v7's is in its loop); setmaxnreg both
-    # ways; assembled by ptxas with its register cap, nothing spilled.
-    # Its fused kernel too
+    # backward_v8's dK/dV kernel at d = 64 and 128: v7's four products a
+    # tile pair (the same wgmma statements), its copies TMA boxes (K_j,
+    # V_j, Q_i, dO_i) where v7 copies with cp.async, and its one block
+    # barrier the one after the mbarriers' set-up (v7's is in its loop);
+    # setmaxnreg both ways; assembled by ptxas with its register cap,
+    # nothing spilled. Its fused kernel (d = 64) too
     import json
     import os
     import subprocess
@@ -352,7 +354,9 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
             assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
             assert r["bars"] == 2, (kind, r)
             continue
-        assert r["wgmma"] == r["v7_wgmma"] == 16, (kind, r)
+        # S^T, dP^T: d / 16 k-steps each; dV, dK: 4 (64 queries)
+        d = int(kind.split("d")[-1])
+        assert r["wgmma"] == r["v7_wgmma"] == 2 * d // 16 + 8, (kind, r)
         assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
         assert r["v7_copies"] > 0 and r["v7_bars"] >= 1, (kind, r)
         assert r["bars"] == 1, (kind, r)

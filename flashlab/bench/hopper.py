@@ -107,11 +107,12 @@ def _saved_backward(version, deterministic=True):
         from flashlab import gpu
         from flashlab.gpu import registry
 
-        if not registry.get(f"backward_v{version}_dkv_bf16").takes(
+        part = "dkv" if deterministic else "fused"
+        if not registry.get(f"backward_v{version}_{part}_bf16").takes(
                 case.d, case.d):
             def absent():
-                raise RuntimeError(f"backward v{version} is not built for "
-                                   f"d = {case.d}")
+                raise RuntimeError(f"backward v{version} ({part}) is not "
+                                   f"built for d = {case.d}")
             return absent
         o, lse = gpu.attention(*x[:3], causal=case.causal, return_lse=True)
         return lambda: gpu.attention_backward(

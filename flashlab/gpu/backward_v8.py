@@ -1,6 +1,7 @@
 """Backward v8: backward_v7's dK/dV kernel, warp-specialized.
 
-bf16 or float16, sm_90a, d = d_v = 64. FlashAttention-3's producer and
+bf16 or float16, sm_90a, d = d_v = 64 or 128. FlashAttention-3's
+producer and
 consumers (forward_v8's design) on backward_v7's dK/dV tiles: a block is
 one producer warpgroup and two consumer warpgroups of 64 keys each. The
 producer's thread 0 moves K_j, V_j once and each streamed Q_i, dO_i (64
@@ -15,13 +16,16 @@ at d = 64: 0.54 warps stalled on it per issue); here no warpgroup waits
 for another, and `setmaxnreg` gives the producer's registers to the
 consumers (24 and 240 a thread, from a build cap of 168: the consumers'
 tiles need about 234, which three warpgroups could not have otherwise).
-At d = 128 they need more than 240, so v7's kernel stays there.
+At d = 128 too: dK_j and dV_j are 64 + 64 of a consumer's registers,
+S^T and dP^T 32 + 32, and ptxas fits them in 240 with nothing spilled
+(v7's 253 there is what its cap of 255 allowed, not what it needs).
 
 dQ is backward_v7's dQ kernel (`make_dq`): backward version 8 is this
 kernel and that one. The host encodes the four tensor maps (`derived`)
 as forward_v8 does.
 
-`make_fused` (where the caller allows atomics: deterministic=False) is
+`make_fused` (where the caller allows atomics: deterministic=False; d =
+64 only, FUSED_HEAD_DIMS: at 128 its consumers would spill) is
 FlashAttention-3's whole backward in one pass: the same kernel also
 forms dQ_i = dS K_j, dS^T kept in shared memory and read MN-major as
 backward_v7's fused kernel does, but over all of the block's 128 keys,
@@ -59,10 +63,13 @@ from flashlab.gpu.intrinsics import bar_sync, global_address, shared_address
 from flashlab.gpu.warp import block_place
 from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
-__all__ = ["CC", "HEAD_DIMS", "make_dkv", "make_fused", "shared_bytes",
-           "threads"]
+__all__ = ["CC", "FUSED_HEAD_DIMS", "HEAD_DIMS", "make_dkv", "make_fused",
+           "shared_bytes", "threads"]
 
-HEAD_DIMS = (64,)
+HEAD_DIMS = (64, 128)  # of the dK/dV kernel
+# of the fused kernel: at d = 128 a warpgroup's half of dQ_i is 64 more
+# columns (32 registers) than 232 leave room for
+FUSED_HEAD_DIMS = (64,)
 GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # by kernel: (the cap per thread it is built with: 65536 registers over
 # 384 threads, a multiple of 8; what setmaxnreg leaves the producer; and

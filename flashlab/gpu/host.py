@@ -280,16 +280,16 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
     float32 as the forward returns it: `version` 8 (`backward_v8`, v7's
-    kernels with a warp-specialized dK/dV, d = d_v = 64), 7
-    (`backward_v7`, wgmma; both Hopper only, gradients in the inputs'
-    dtype, rounded once from float32) or 5 (`backward_v5`, mma.sync;
-    float32 gradients), None for the newest the GPU runs at these head
-    dims. Deterministic by default: no atomics, the same bits every run.
-    deterministic=False lets v8 and v7 run their fused kernels, which add
-    each tile pair's dQ to a float32 dQ by atomics (v8's by TMA's
-    reductions; five products a tile pair instead of seven; the order of
-    the additions, so dQ's last bits, vary from run to run); elsewhere it
-    changes nothing. With l (float32, lse's shape), lse holds the rows'
+    kernels with a warp-specialized dK/dV), 7 (`backward_v7`, wgmma;
+    both Hopper only, gradients in the inputs' dtype, rounded once from
+    float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
+    the newest the GPU runs at these head dims. Deterministic by default:
+    no atomics, the same bits every run. deterministic=False lets v7, and
+    v8 at d = d_v = 64, run their fused kernels, which add each tile
+    pair's dQ to a float32 dQ by atomics (v8's by TMA's reductions; five
+    products a tile pair instead of seven; the order of the additions,
+    so dQ's last bits, vary from run to run); elsewhere it changes
+    nothing. With l (float32, lse's shape), lse holds the rows'
     max m and l their sum, as `tiled.attention_backward` takes them.
     """
     deterministic = check_flag("deterministic", deterministic)
@@ -434,7 +434,8 @@ def attention_statistics(q, k, v, lse, *, scale=None, causal=False, mask=None,
 def _backward16_names(version, dtype, d, d_v, deterministic=True):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8;
     None: registry.backward_version) for this GPU; (fused, None) for v7
-    and v8 where atomics are allowed (not deterministic)."""
+    and v8 where atomics are allowed (not deterministic) and the fused
+    kernel takes d, d_v."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -461,8 +462,12 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
                 f"version: backward v{version} is built for head dims "
                 f"{spec.head_dims}, got d={d}, d_v={d_v} (pass None for "
                 f"the best that takes them)")
-    if version in (7, 8) and not deterministic:
-        return f"backward_v{version}_fused_{kind}", None
+    fused = f"backward_v{version}_fused_{kind}"
+    if version in (7, 8) and not deterministic and \
+            registry.get(fused).takes(d, d_v):
+        return fused, None
+    # v8's fused kernel is built for d = 64 only: at 128 its two kernels
+    # (deterministic, and faster there than v7's fused one)
     return registry.backward_names(version, kind)
 
 

@@ -162,8 +162,8 @@ KERNELS = (
                          ("dkv", backward_v7.make_dkv),
                          ("fused", backward_v7.make_fused))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
-    # v7's dK/dV kernel warp-specialized (TMA, setmaxnreg), d = 64; its
-    # dQ is v7's
+    # v7's dK/dV kernel warp-specialized (TMA, setmaxnreg); its dQ is
+    # v7's
     *(Kernel(f"backward_v8_dkv_{kind}",
              functools.partial(backward_v8.make_dkv, kind=kind),
              "backward16_dkv_tma", (dtype,), backward_v8.HEAD_DIMS, (9, 0),
@@ -174,7 +174,7 @@ KERNELS = (
     # and with dQ in the same pass, added by TMA's reductions
     *(Kernel(f"backward_v8_fused_{kind}",
              functools.partial(backward_v8.make_fused, kind=kind),
-             "backward16_fused_tma", (dtype,), backward_v8.HEAD_DIMS,
+             "backward16_fused_tma", (dtype,), backward_v8.FUSED_HEAD_DIMS,
              (9, 0), backward_v8.threads(),
              max_registers=backward_v8.max_registers, max_cc=(9, 0),
              shared=functools.partial(backward_v8.shared_bytes, fused=True),
