@@ -96,8 +96,10 @@ def test_dynamic_shared_memory_holds_the_tiles_make_lays_out(spec):
         tiles = closed_over(spec, d, d_v)
         if "OWN_S" in tiles:
             need = traits.B16 * (tiles["OWN_S"] + 2 * tiles["STAGE_S"])
-        elif "STAGE_B" in tiles:  # backward_v8: K_j, V_j and Q_i, dO_i
-            need = tiles["K_B"] + tiles["V_B"] + 2 * tiles["STAGE_B"]
+        elif "STAGE_B" in tiles:  # backward_v8: K_j, V_j and NSTAGES
+            # of Q_i, dO_i
+            need = tiles["K_B"] + tiles["V_B"] + tiles["NSTAGES"] * \
+                tiles["STAGE_B"]
         elif "Q_B" in tiles:  # v8 counts bytes (16-bit or e4m3 values)
             need = tiles["Q_B"] + 2 * tiles["K_B"] + 2 * tiles["V_B"]
         else:

@@ -1,42 +1,45 @@
 """Backward v8: backward_v7's dK/dV kernel, warp-specialized.
 
 bf16 or float16, sm_90a, d = d_v = 64 or 128. FlashAttention-3's
-producer and
-consumers (forward_v8's design) on backward_v7's dK/dV tiles: a block is
-one producer warpgroup and two consumer warpgroups of 64 keys each. The
-producer's thread 0 moves K_j, V_j once and each streamed Q_i, dO_i (64
-queries, two stages) from global to shared memory with TMA, 128-byte
-swizzled as v7's copies lay them; 64 more of its threads work out the
-stage's row terms (backward_v5.row_terms) into shared memory. Both hand
-a stage over on its "full" mbarrier (the bytes, and 65 arrivals), and
-the consumers give it back on its "empty" one once dK's product, the
-last to read it, is done. v7's dK/dV kernel has its 256 threads copy
-every stage and meet at a block barrier per tile (measured on the H200
-at d = 64: 0.54 warps stalled on it per issue); here no warpgroup waits
-for another, and `setmaxnreg` gives the producer's registers to the
-consumers (24 and 240 a thread, from a build cap of 168: the consumers'
-tiles need about 234, which three warpgroups could not have otherwise).
-At d = 128 too: dK_j and dV_j are 64 + 64 of a consumer's registers,
-S^T and dP^T 32 + 32, and ptxas fits them in 240 with nothing spilled
-(v7's 253 there is what its cap of 255 allowed, not what it needs).
+producer and consumers (forward_v8's design) on backward_v7's dK/dV
+tiles: a block is one producer warpgroup and two consumer warpgroups of
+64 keys each. The producer's thread 0 moves K_j, V_j once and each
+streamed Q_i, dO_i (64 queries, STAGES of them in flight) from global to
+shared memory with TMA, 128-byte swizzled as v7's copies lay them; 64
+more of its threads work out the stage's row terms
+(backward_v5.row_terms) into shared memory. Both hand a stage over on
+its "full" mbarrier (the bytes, and 65 arrivals), and the consumers give
+it back on its "empty" one once dK's product, the last to read it, is
+done. v7's dK/dV kernel has its 256 threads copy every stage and meet at
+a block barrier per tile (measured on the H200 at d = 64: 0.54 warps
+stalled on it per issue); here no warpgroup waits for another, and
+`setmaxnreg` gives the producer's registers to the consumers (24 and 240
+a thread, from a build cap of 168: the consumers' tiles need about 234,
+which three warpgroups could not have otherwise). At d = 128 too: dK_j
+and dV_j are 64 + 64 of a consumer's registers, S^T and dP^T 32 + 32,
+and ptxas fits them in 240 with nothing spilled (v7's 253 there is what
+its cap of 255 allowed, not what it needs).
 
 dQ is backward_v7's dQ kernel (`make_dq`): backward version 8 is this
 kernel and that one. The host encodes the four tensor maps (`derived`)
 as forward_v8 does.
 
-`make_fused` (where the caller allows atomics: deterministic=False; d =
-64 only, FUSED_HEAD_DIMS: at 128 its consumers would spill) is
+`make_fused` (where the caller allows atomics: deterministic=False) is
 FlashAttention-3's whole backward in one pass: the same kernel also
 forms dQ_i = dS K_j, dS^T kept in shared memory and read MN-major as
 backward_v7's fused kernel does, but over all of the block's 128 keys,
-with dQ_i's columns split between the two warpgroups (32 each). They
-stage tau dQ_i in shared memory as TMA's float32 boxes lie, one 64 x 64
-tile a block and tile pair, and one more producer thread adds each
-staged tile to a float32 dQ in global memory with TMA's reduction
+with dQ_i's columns split between the two warpgroups (`dq_columns`).
+They stage tau dQ_i in shared memory as TMA's float32 boxes lie, one
+64 x d tile a block and tile pair, and one more producer thread adds
+each staged tile to a float32 dQ in global memory with TMA's reduction
 (`cp.reduce.async.bulk.tensor`), so the consumers never wait for an
-atomic. Five products a tile pair instead of seven;
-dQ's last bits vary with the order the additions land in. See chapter
-12.
+atomic. Five products a tile pair instead of seven; dQ's last bits vary
+with the order the additions land in. It is registered at d = 64 only
+(FUSED_HEAD_DIMS): built at 128 it gives the right gradients, but its
+consumers spill 144 bytes and, measured on the H200, it is 15 to 20%
+slower than this kernel with v7's dQ kernel (twice the L2 additions a
+tile pair, and one block an SM in 226 KiB of shared memory). See
+chapter 12.
 """
 
 import numpy as np
@@ -67,8 +70,8 @@ __all__ = ["CC", "FUSED_HEAD_DIMS", "HEAD_DIMS", "make_dkv", "make_fused",
            "shared_bytes", "threads"]
 
 HEAD_DIMS = (64, 128)  # of the dK/dV kernel
-# of the fused kernel: at d = 128 a warpgroup's half of dQ_i is 64 more
-# columns (32 registers) than 232 leave room for
+# of the fused kernel: at d = 128 it spills and is slower than the two
+# kernels (the module's docstring)
 FUSED_HEAD_DIMS = (64,)
 GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # by kernel: (the cap per thread it is built with: 65536 registers over
@@ -78,15 +81,26 @@ GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # 24 x 128 + 240 x 256 = 64512. The fused kernel's producer keeps 40
 # (in 24 or 32 its dQ thread spills, ptxas says; in 40 nothing does)
 REGISTERS = {"dkv": (168, 24, 240), "fused": (168, 40, 232)}
-BARRIERS = 1024  # bytes before the tiles: the mbarriers, tiles aligned
-# mbarrier numbers: K_j and V_j landed; stage s full (FULL + s), empty;
-# (fused) dQ tile buffer u staged (DQ_FULL + u) and read by TMA (DQ_EMPTY
-# + u)
-KV_FULL, FULL, EMPTY, DQ_FULL, DQ_EMPTY = 0, 1, 3, 5, 7
+# stages of the streamed Q_i, dO_i: a power of two (measured on the H200
+# against two: 1 to 4% faster at d = 64 fused and at N = 4096, d = 128,
+# the same within noise elsewhere)
+STAGES = 4
+# mbarrier numbers: K_j and V_j landed; (fused) dQ tile buffer u staged
+# (DQ_FULL + u) and read by TMA (DQ_EMPTY + u); stage s full (FULL + s),
+# then each stage's empty (`barrier_numbers`). They lie in static shared
+# memory, at an address the assembler knows (no register holds it), and
+# the dynamic tiles from its first 1024-byte boundary (the 128-byte
+# swizzle's period) with none of a 1024 spent on them
+KV_FULL, DQ_FULL, DQ_EMPTY, FULL = 0, 1, 3, 5
 TERM_THREADS = STREAMED  # the producer's threads 64.. : a query each
 DRAIN = 32  # (fused) the producer's thread that issues dQ's reductions
 BOX = 64  # columns of a TMA box: one 128-byte swizzle row of 16 bits
 DQ_BOX = 32  # float32 columns of a dQ box: 128 bytes too
+
+
+def barrier_numbers(stages):
+    """(the first empty mbarrier, how many there are) with `stages`."""
+    return FULL + stages, FULL + 2 * stages
 
 
 def threads(d=64, d_v=64):
@@ -100,17 +114,23 @@ def max_registers(d=64, d_v=64):
 
 
 def shared_bytes(d, d_v, fused=False):
-    """Dynamic shared memory per block: the barriers, K_j and V_j, two
-    stages of Q_i and dO_i, (fused) two each of dS^T of the block's keys
-    and of a float32 dQ tile, and room to align them to 1024 bytes."""
+    """Dynamic shared memory per block: K_j and V_j, STAGES stages of Q_i
+    and dO_i, (fused) two each of dS^T of the block's keys and of a
+    float32 dQ tile, and room to align them to 1024 bytes."""
     extra = 2 * (2 * own("dkv") * STREAMED + dq_bytes(d)) if fused else 0
-    return BARRIERS + 2 * (own("dkv") * (d + d_v)
-                           + 2 * STREAMED * (d + d_v)) + extra + ALIGN
+    return 2 * (own("dkv") * (d + d_v)
+                           + STAGES * STREAMED * (d + d_v)) + extra + ALIGN
 
 
 def dq_bytes(d):
     """Bytes of one staged float32 dQ tile: STREAMED rows, d wide."""
     return 4 * STREAMED * d
+
+
+def dq_columns(d):
+    """Columns of dQ_i a consumer warpgroup of the fused kernel takes:
+    d / GROUPS (32 at d = 64, one panel's 64 at d = 128)."""
+    return d // GROUPS
 
 
 def make_dkv(D, D_V, kind="bf16"):
@@ -130,23 +150,27 @@ c_place = cuda.jit(device=True)(fragments.c_pair_offset32)
 
 def _stage_hooks(D, kind):
     """The fused kernel's steps of dQ_i = dS K_j, after dS^T is in
-    shared memory: `start` (warpgroup c takes dQ_i's columns 32 c.. over
-    all of the block's keys: one tile a block, not one a warpgroup, for
-    TMA to add), `stage` (waits for the product and puts it where TMA
-    reads it, `close` after the last), and `drain`, the producer's thread
-    DRAIN that adds each staged tile to dQ."""
+    shared memory: `start` (warpgroup c takes dQ_i's columns C c.., C =
+    dq_columns(D), over all of the block's keys: one tile a block, not
+    one a warpgroup, for TMA to add), `stage` (waits for the product and
+    puts it where TMA reads it, `close` after the last), and `drain`, the
+    producer's thread DRAIN that adds each staged tile to dQ."""
     BK, BQ, DQ_B = own("dkv"), STREAMED, dq_bytes(D)
+    COLS = dq_columns(D)
     lbo, sbo, step = fragments.mn_major_128b(BK)
     # dS (queries x keys) and K_j's columns: dS^T and K_j read MN-major
-    q_issue = mma_ss(DQ_BOX, BK // 16, step, step, kind, trans_b=1,
+    q_issue = mma_ss(COLS, BK // 16, step, step, kind, trans_b=1,
                      wait=False, trans_a=1)
-    q_wait = wait_for(0, DQ_BOX // 2)  # the 64 x 32 accumulator
+    q_wait = wait_for(0, COLS // 2)  # the 64 x COLS accumulator
 
     @inline
     def start(gq, ds_at, k_at, wc):
         proxy_fence()  # this thread's dS^T stores to wgmma's proxy, then
         bar_sync(1, 128 * GROUPS)  # every consumer's
-        cols = uint32(2 * DQ_BOX * (wc // 4))  # bytes into K_j's rows
+        # warpgroup c's columns: bytes into K_j's panels of 64 columns
+        # (half a row at d = 64, a panel of BK rows at 128)
+        c0 = COLS * (wc // 4)
+        cols = uint32(2 * (c0 % BOX) + BK * 128 * (c0 // BOX))
         q_issue(gq, uint64(descriptor_128b(ds_at, lbo, sbo)),
                 uint64(descriptor_128b(k_at + cols, lbo, sbo)))
 
@@ -160,14 +184,15 @@ def _stage_hooks(D, kind):
     @inline
     def stage(gq, bars, dq_at, wc, n, lane, tau, where, b, i0):
         # C fragment (x, y) of the warpgroup's columns of dQ_i, times tau,
-        # to its place in the tile (box wc // 4 of it); the first
-        # consumer thread says which rows, dQ[b, i0:], it is added to
+        # to its place in the tile (its boxes of DQ_BOX columns from
+        # COLS (wc // 4) on); the first consumer thread says which rows,
+        # dQ[b, i0:], it is added to
         q_wait(gq)
         u = claim(bars, n)
-        box = dq_at + uint32(DQ_B * u + BQ * 128 * (wc // 4))
+        box = dq_at + uint32(DQ_B * u + BQ * 4 * COLS * (wc // 4))
         tw = 32 * (wc % 4) + lane  # the thread in its warpgroup
         for h in range(2):
-            for x in range(DQ_BOX // 8):
+            for x in range(COLS // 8):
                 tma.st_shared_f2(box + uint32(c_place(tw, x, h)),
                                  gq[x, 2 * h] * tau, gq[x, 2 * h + 1] * tau)
         if wc == 0 and lane == 0:
@@ -234,6 +259,11 @@ def _make(D, D_V, kind, with_dq):
     """The kernel of a block of keys: dK and dV, and with_dq dQ too."""
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     CONSUMERS = 128 * GROUPS  # consumer threads
+    # stage n % NSTAGES of Q_i, dO_i, in phase (n / NSTAGES) % 2: by bits
+    NSTAGES, SB = STAGES, STAGES.bit_length() - 1
+    if NSTAGES != 1 << SB:
+        raise ValueError(f"STAGES: expected a power of two, got {STAGES}")
+    EMPTY, MBARRIERS = barrier_numbers(NSTAGES)
     _, keep, grow = REGISTERS["fused" if with_dq else "dkv"]
     release = tma.release_registers[keep]  # the producer's setmaxnreg
     take = tma.take_registers[grow]  # and the consumers'
@@ -259,10 +289,11 @@ def _make(D, D_V, kind, with_dq):
     start_dq, stage_dq, close, drain = _stage_hooks(D, kind) if with_dq \
         else (_no_start, _no_stage, _no_close, _no_drain)
     DS_B = 2 * BK * BQ  # dS^T of the block's keys (fused)
-    DQ_TILES = DQ_BOX // 8  # n-tiles of a warpgroup's part of dQ_i (fused)
-    # bytes from the barriers to K_j, dS^T and the dQ tiles
-    K_AT = BARRIERS
-    DS_AT = K_AT + K_B + V_B + 2 * STAGE_B
+    # n-tiles of a warpgroup's part of dQ_i (fused)
+    DQ_TILES = dq_columns(D) // 8
+    # bytes from the aligned start to K_j, dS^T and the dQ tiles
+    K_AT = 0
+    DS_AT = K_AT + K_B + V_B + STAGES * STAGE_B
     DQ_AT = DS_AT + 2 * DS_B  # after two of dS^T
 
     @inline
@@ -274,8 +305,9 @@ def _make(D, D_V, kind, with_dq):
         # (fused): float32 (BH, Nq, d), tau dS K added to it; maps: the
         # tensor maps of q, k, v, do (and dq), 16 words each
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
+        barriers = cuda.shared.array(MBARRIERS, uint64)
         # row_terms (shift, zn, dl) of each stage's queries
-        terms = cuda.shared.array((2, 3, STREAMED), float32)
+        terms = cuda.shared.array((NSTAGES, 3, STREAMED), float32)
         # (fused) the query head and first row of each dQ buffer's tile
         where = cuda.shared.array((2, 2), int32)
         t = cuda.threadIdx.x
@@ -293,8 +325,9 @@ def _make(D, D_V, kind, with_dq):
         nt = (nq + BQ - 1) // BQ
         groups = rules.group  # query heads of this K/V head
         at = shared_address(tiles, 0)
-        bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
-        k_at = bars + uint32(BARRIERS)
+        base = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
+        k_at = base + uint32(K_AT)
+        bars = shared_address(barriers, 0)
         v_at = k_at + uint32(K_B)
         q_at = v_at + uint32(V_B)  # stage s: STAGE_B s bytes on
         o_at = q_at + uint32(Q_B)
@@ -302,7 +335,7 @@ def _make(D, D_V, kind, with_dq):
             # K/V and full: the producer's arrivals (and the bytes);
             # empty: every consumer thread's
             tma.mbarrier_init(bars + uint32(8 * KV_FULL), uint32(1))
-            for s in range(2):
+            for s in range(NSTAGES):
                 tma.mbarrier_init(bars + uint32(8 * (FULL + s)),
                                   uint32(1 + TERM_THREADS))
                 tma.mbarrier_init(bars + uint32(8 * (EMPTY + s)),
@@ -319,7 +352,7 @@ def _make(D, D_V, kind, with_dq):
         if w < 4:  # the producer warpgroup
             release()
             if with_dq and t == DRAIN:
-                drain(maps_at, bars, bars + uint32(DQ_AT), where)
+                drain(maps_at, bars, base + uint32(DQ_AT), where)
                 return
             if 0 < t < 128 - TERM_THREADS:
                 return
@@ -338,7 +371,7 @@ def _make(D, D_V, kind, with_dq):
                                 int32(j0), int32(bk), full)
             n = 0
             while g < groups:
-                s, phase = n & 1, (n >> 1) & 1
+                s, phase = n & (NSTAGES - 1), (n >> SB) & 1
                 b, i0 = b0 + g, it * BQ
                 # a stage is free once both consumers are done with it;
                 # the first pass finds both free
@@ -394,7 +427,7 @@ def _make(D, D_V, kind, with_dq):
             tma.wait(bars + uint32(8 * KV_FULL), uint32(0))
         n = 0
         while g < groups:
-            s, phase = n & 1, (n >> 1) & 1
+            s, phase = n & (NSTAGES - 1), (n >> SB) & 1
             b, i0 = b0 + g, it * BQ
             i1 = min(i0 + BQ, nq)
             tma.wait(bars + uint32(8 * (FULL + s)), uint32(phase))
@@ -410,7 +443,7 @@ def _make(D, D_V, kind, with_dq):
             to_a(da, pf)
             # dS^T to buffer n % 2 (the other may still be read by the
             # other warpgroup's product), before dK's product takes da
-            ds_at = bars + uint32(DS_AT + DS_B * (n & 1))
+            ds_at = base + uint32(DS_AT + DS_B * (n & 1))
             keep_ds(da, ds_at, t - 128)
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)
@@ -420,7 +453,7 @@ def _make(D, D_V, kind, with_dq):
             # the next item worked out while dQ's product (fused) runs
             g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
-            stage_dq(gq, bars, bars + uint32(DQ_AT), wc, n, lane, tau,
+            stage_dq(gq, bars, base + uint32(DQ_AT), wc, n, lane, tau,
                      where, int32(b), int32(i0))
             n += 1
         close(bars, wc, n, lane, where)
