@@ -122,6 +122,13 @@ def shared_bytes(d, d_v, fused=False):
                            + STAGES * STREAMED * (d + d_v)) + extra + ALIGN
 
 
+def static_bytes():
+    """Static shared memory per block: the mbarriers, each stage's row
+    terms (three float32 a query), and where each staged dQ tile goes
+    (two int32 pairs, declared by both kernels)."""
+    return 8 * barrier_numbers(STAGES)[1] + 4 * 3 * STAGES * STREAMED + 16
+
+
 def dq_bytes(d):
     """Bytes of one staged float32 dQ tile: STREAMED rows, d wide."""
     return 4 * STREAMED * d

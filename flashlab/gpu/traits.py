@@ -190,11 +190,11 @@ def _backward_wgmma(m, d, d_v, keys):
 
 def _backward_ws(m, d, d_v, keys):
     """_backward_wgmma's consumer warpgroups and a producer's (backward_v8):
-    its threads, the same tiles."""
+    its threads, the same tiles, its own static shared memory."""
     from flashlab.gpu import backward_v7
 
     return dict(_backward_wgmma(backward_v7, d, d_v, keys),
-                threads=m.threads(d, d_v))
+                threads=m.threads(d, d_v), shared=m.static_bytes())
 
 
 def _helper(spec):
