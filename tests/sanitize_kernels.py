@@ -40,8 +40,8 @@ def forward_calls(d):
 def backward16(rng):
     """The tensor-core backward (float16 numpy inputs), ragged and
     grouped, masked and not, with deterministic=False as well (on Hopper
-    at d = 64 v8's fused kernel, dQ added by TMA's reductions; at 128 the
-    same kernels as the default), which must agree with the default."""
+    v8's fused kernel, dQ added by TMA's reductions), which must agree
+    with the default."""
     for d in (64, 128):
         for kv_heads, opts in ((2, dict()), (1, dict(causal=True,
                                                      window=(20, 3)))):

@@ -155,8 +155,14 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         assert cap == backward_v8.max_registers() and cap % 8 == 0
         assert keep * 128 + grow * (threads - 128) <= cap * threads
         assert cap * threads <= 65536 < (cap + 8) * threads
-    assert backward_v8.shared_bytes(64, 64, fused=True) <= 227 * 1024
-    assert backward_v8.shared_bytes(128, 128) <= 227 * 1024
+    # dynamic and static shared memory within the block's 227 KiB, at
+    # either head dim, both kernels (the fused one in fewer stages at 128)
+    for d in backward_v8.HEAD_DIMS:
+        for fused in (False, True):
+            assert (backward_v8.shared_bytes(d, d, fused)
+                    + backward_v8.static_bytes(d, d, fused)) <= 227 * 1024
+    assert backward_v8.stages(128, 128, True) < backward_v8.STAGES
+    assert backward_v8.stages(64, 64, True) == backward_v8.STAGES
     # version None picks it on Hopper at both head dims
     assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 8
     assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 8
@@ -173,9 +179,8 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         fused = registry.argument_types(spec.args)
         assert fused[:-1] == v7 and str(fused[-1]) == "array(uint64, 1d, C)"
         assert spec.derived is not None and spec.grads16
-        # its consumers would spill at d = 128 (its dQ half is 32 more
-        # registers a thread)
-        assert spec.takes(64, 64) and not spec.takes(128, 128)
+        assert spec.takes(64, 64) and spec.takes(128, 128)
+        assert not spec.takes(96, 96)
         assert spec.threads == backward_v8.threads()
         assert spec.registers(64, 64) == backward_v8.max_registers()
 
@@ -184,13 +189,13 @@ def test_backward_v8_is_registered_with_its_maps_derived():
     (64, True, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16")),
     (64, False, ("backward_v8_fused_bf16", None)),
     (128, True, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16")),
-    (128, False, ("backward_v8_dkv_bf16", "backward_v7_dq_bf16"))])
+    (128, False, ("backward_v8_fused_bf16", None))])
 def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
         d, deterministic, names):
     # on Hopper (what the simulator stands for here): version None runs
-    # v8, fused only where atomics are allowed and its fused kernel is
-    # built (d = 64); asking for v8 by number does the same; v7 by number
-    # runs its own, fused without determinism at either head dim
+    # v8, fused only where atomics are allowed; asking for v8 by number
+    # does the same; v7 by number runs its own, fused without determinism
+    # at either head dim. At mixed head dims v8 runs its two kernels
     from numba import config
 
     from flashlab.gpu import host
@@ -203,6 +208,9 @@ def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
     v7 = ("backward_v7_dkv_bf16", "backward_v7_dq_bf16") if \
         deterministic else ("backward_v7_fused_bf16", None)
     assert host._backward16_names(7, "bfloat16", d, d, deterministic) == v7
+    assert host._backward16_names(None, "bfloat16", d, 192 - d,
+                                  deterministic) == (
+        "backward_v8_dkv_bf16", "backward_v7_dq_bf16")
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -370,12 +370,13 @@ def as64(*tensors):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("version", [5, 7, 8, "8 fused"])
+@pytest.mark.parametrize("version, d", [(5, 64), (7, 64), (8, 64),
+                                        ("8 fused", 64), ("8 fused", 128)])
 @pytest.mark.parametrize("dtype, value, tau, do_scale", [
     ("bfloat16", 1.8e7, 0.5, 1.0), ("bfloat16", -3.0e38, 1.0, 2.0**-6),
     ("float16", 6.0e4, 0.5, 1.0)])
 def test_16bit_backward_rows_of_equal_huge_scores(rng, dtype, value, tau,
-                                                  do_scale, version):
+                                                  do_scale, version, d):
     # the tensor-core backwards with row_statistics_<kind>: the gradients
     # of v5's own forward, P = 1/10 in every row (half_grads' budget).
     # At -3e38, dK = tau dS^T Q is about 8e38 for dO ~ 1, past float32's
@@ -387,7 +388,7 @@ def test_16bit_backward_rows_of_equal_huge_scores(rng, dtype, value, tau,
     version = backward_version(8) and version if fused else \
         backward_version(version)
 
-    q, k, v = to16(dtype, *equal_scores(rng, value, d=64, d_v=64, tau=tau))
+    q, k, v = to16(dtype, *equal_scores(rng, value, d=d, d_v=d, tau=tau))
     o, lse = gpu.attention(q, k, v, scale=tau, version=5, return_lse=True)
     do = to16(dtype, do_scale * rng.standard_normal(o.shape).astype(
         np.float32))[0]

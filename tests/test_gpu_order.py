@@ -86,7 +86,7 @@ def test_e4m3_forward_is_the_same_in_every_order(monkeypatch, rng, opts):
 
 
 @pytest.mark.parametrize("opts", MASKS)
-@pytest.mark.parametrize("version, d", [(7, 128), (8, 64)])
+@pytest.mark.parametrize("version, d", [(7, 128), (8, 64), (8, 128)])
 def test_backward_is_the_same_in_every_order(monkeypatch, rng, opts,
                                              version, d):
     import torch

@@ -305,10 +305,11 @@ for kind, d in itertools.product(("bf16", "f16"), backward_v8.HEAD_DIMS):
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
         f64=ptx.float64_ops(text),
         **ptx.assemble(text, backward_v8.CC, spec.registers(d, d)))
-for kind in ("bf16", "f16"):
+for kind, d in itertools.product(("bf16", "f16"),
+                                 backward_v8.FUSED_HEAD_DIMS):
     spec = registry.get(f"backward_v8_fused_{kind}")
-    text = backward_v8.compile_ptx(64, 64, kind, "fused")
-    out[kind + " fused"] = dict(
+    text = backward_v8.compile_ptx(d, d, kind, "fused")
+    out[f"{kind} fused d{d}"] = dict(
         wgmma=text.count("wgmma.mma_async"),
         tma=text.count("cp.async.bulk.tensor"),
         reduce=text.count("cp.reduce.async.bulk.tensor"),
@@ -316,7 +317,7 @@ for kind in ("bf16", "f16"):
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
         f64=ptx.float64_ops(text),
-        **ptx.assemble(text, backward_v8.CC, spec.registers(64, 64)))
+        **ptx.assemble(text, backward_v8.CC, spec.registers(d, d)))
 print(json.dumps(out))
 """
 
@@ -327,7 +328,7 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
     # V_j, Q_i, dO_i) where v7 copies with cp.async, and its one block
     # barrier the one after the mbarriers' set-up (v7's is in its loop);
     # setmaxnreg both ways; assembled by ptxas with its register cap,
-    # nothing spilled. Its fused kernel (d = 64) too
+    # nothing spilled. Its fused kernel at both head dims too
     import json
     import os
     import subprocess
@@ -344,18 +345,18 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
         assert not r["serialized"], (kind, r)
         assert r["local"] == 0 and r["f64"] == 0, (kind, r)
         assert r["setmaxnreg"] == 2, (kind, r)
-        if kind.endswith("fused"):
+        d = int(kind.split("d")[-1])
+        if "fused" in kind:
             # and dQ = dS K (8 k-steps over the block's keys, a
-            # warpgroup's 32 columns), added by TMA: the two boxes of the
-            # block's tile, no atomics; a named barrier of both consumer
-            # warpgroups before the product
-            assert r["wgmma"] == 16 + 8, (kind, r)
-            assert r["reduce"] == 2 and r["atomics"] == 0, (kind, r)
+            # warpgroup's d / 2 columns: one product each), added by TMA:
+            # the block's tile in d / 32 boxes, no atomics; a named
+            # barrier of both consumer warpgroups before the product
+            assert r["wgmma"] == 2 * d // 16 + 8 + 8, (kind, r)
+            assert r["reduce"] == d // 32 and r["atomics"] == 0, (kind, r)
             assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
             assert r["bars"] == 2, (kind, r)
             continue
         # S^T, dP^T: d / 16 k-steps each; dV, dK: 4 (64 queries)
-        d = int(kind.split("d")[-1])
         assert r["wgmma"] == r["v7_wgmma"] == 2 * d // 16 + 8, (kind, r)
         assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
         assert r["v7_copies"] > 0 and r["v7_bars"] >= 1, (kind, r)

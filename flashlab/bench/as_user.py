@@ -2,8 +2,7 @@
 
 "flashlab" is flashlab.torch.attention ("flashlab atomic dq" with
 deterministic=False: its backward may add dQ by atomics, which on Hopper
-is backward v8's fused kernel at d = 64 and its two deterministic kernels
-at d = 128, where no fused kernel is faster);
+is backward v8's fused kernel);
 "torch sdpa"
 is torch's scaled_dot_product_attention choosing its own backend;
 "torch flash" and "torch cudnn" restrict it to one backend.

@@ -71,7 +71,7 @@ BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     """The bf16 backward alone, from a saved forward: backward_v5, v7
     (gpu.attention_backward; v7 deterministic, and fused with dQ by
-    atomics) and v8 (and fused at d = 64, dQ by TMA's reductions) against
+    atomics) and v8 (and fused, dQ by TMA's reductions) against
     torch's flash and cuDNN backwards (autograd), per (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,

@@ -34,12 +34,13 @@ They stage tau dQ_i in shared memory as TMA's float32 boxes lie, one
 each staged tile to a float32 dQ in global memory with TMA's reduction
 (`cp.reduce.async.bulk.tensor`), so the consumers never wait for an
 atomic. Five products a tile pair instead of seven; dQ's last bits vary
-with the order the additions land in. It is registered at d = 64 only
-(FUSED_HEAD_DIMS): built at 128 it gives the right gradients, but its
-consumers spill 144 bytes and, measured on the H200, it is 15 to 20%
-slower than this kernel with v7's dQ kernel (twice the L2 additions a
-tile pair, and one block an SM in 226 KiB of shared memory). See
-chapter 12.
+with the order the additions land in. At d = 128 it streams two stages
+(FUSED_STAGES: four would not fit beside its dS^T and dQ tiles), and
+its consumers work out their store places from a thread index read
+through intrinsics.opaque inside the loop (`place_source`): worked out
+once before it, they stayed live across the loop and ptxas spilled
+them. Measured on the H200 at 16K it is 13 to 16% faster than this
+kernel with v7's dQ kernel at d = 64 and 128. See chapter 12.
 """
 
 import numpy as np
@@ -62,7 +63,12 @@ from flashlab.gpu.backward_v7 import (
 )
 from flashlab.gpu.device import F0, inline
 from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
-from flashlab.gpu.intrinsics import bar_sync, global_address, shared_address
+from flashlab.gpu.intrinsics import (
+    bar_sync,
+    global_address,
+    opaque,
+    shared_address,
+)
 from flashlab.gpu.warp import block_place
 from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
@@ -70,9 +76,8 @@ __all__ = ["CC", "FUSED_HEAD_DIMS", "HEAD_DIMS", "make_dkv", "make_fused",
            "shared_bytes", "threads"]
 
 HEAD_DIMS = (64, 128)  # of the dK/dV kernel
-# of the fused kernel: at d = 128 it spills and is slower than the two
-# kernels (the module's docstring)
-FUSED_HEAD_DIMS = (64,)
+# of the fused kernel (the host runs it at d = d_v only)
+FUSED_HEAD_DIMS = (64, 128)
 GROUPS = 2  # consumer warpgroups: 128 keys a block, as v7's
 # by kernel: (the cap per thread it is built with: 65536 registers over
 # 384 threads, a multiple of 8; what setmaxnreg leaves the producer; and
@@ -85,6 +90,9 @@ REGISTERS = {"dkv": (168, 24, 240), "fused": (168, 40, 232)}
 # against two: 1 to 4% faster at d = 64 fused and at N = 4096, d = 128,
 # the same within noise elsewhere)
 STAGES = 4
+# the fused kernel's where not STAGES, by head dim: at d = 128 four
+# stages and its two dS^T and dQ tiles would not fit in 227 KiB
+FUSED_STAGES = {128: 2}
 # mbarrier numbers: K_j and V_j landed; (fused) dQ tile buffer u staged
 # (DQ_FULL + u) and read by TMA (DQ_EMPTY + u); stage s full (FULL + s),
 # then each stage's empty (`barrier_numbers`). They lie in static shared
@@ -103,6 +111,12 @@ def barrier_numbers(stages):
     return FULL + stages, FULL + 2 * stages
 
 
+def stages(d, d_v, fused=False):
+    """Stages of Q_i, dO_i in flight: STAGES, or FUSED_STAGES by head
+    dim for the fused kernel."""
+    return FUSED_STAGES.get(max(d, d_v), STAGES) if fused else STAGES
+
+
 def threads(d=64, d_v=64):
     """Threads per block: the producer's warpgroup and the consumers'."""
     return 128 * (GROUPS + 1)
@@ -114,19 +128,21 @@ def max_registers(d=64, d_v=64):
 
 
 def shared_bytes(d, d_v, fused=False):
-    """Dynamic shared memory per block: K_j and V_j, STAGES stages of Q_i
-    and dO_i, (fused) two each of dS^T of the block's keys and of a
+    """Dynamic shared memory per block: K_j and V_j, `stages` stages of
+    Q_i and dO_i, (fused) two each of dS^T of the block's keys and of a
     float32 dQ tile, and room to align them to 1024 bytes."""
     extra = 2 * (2 * own("dkv") * STREAMED + dq_bytes(d)) if fused else 0
+    n = stages(d, d_v, fused)
     return 2 * (own("dkv") * (d + d_v)
-                           + STAGES * STREAMED * (d + d_v)) + extra + ALIGN
+                + n * STREAMED * (d + d_v)) + extra + ALIGN
 
 
-def static_bytes():
+def static_bytes(d=64, d_v=64, fused=False):
     """Static shared memory per block: the mbarriers, each stage's row
     terms (three float32 a query), and where each staged dQ tile goes
     (two int32 pairs, declared by both kernels)."""
-    return 8 * barrier_numbers(STAGES)[1] + 4 * 3 * STAGES * STREAMED + 16
+    n = stages(d, d_v, fused)
+    return 8 * barrier_numbers(n)[1] + 4 * 3 * n * STREAMED + 16
 
 
 def dq_bytes(d):
@@ -155,6 +171,24 @@ def make_fused(D, D_V, kind="bf16"):
 c_place = cuda.jit(device=True)(fragments.c_pair_offset32)
 
 
+@inline
+def _as_is(x):
+    return x
+
+
+@inline
+def _opaque(x):
+    return opaque(uint32(x))
+
+
+def place_source(d):
+    """What the fused kernel passes a thread's index through before it
+    works out store places from it: at d = 128, intrinsics.opaque, so the
+    places are worked out in the loop where they are used (hoisted out of
+    it, ptxas spilled them: 144 bytes), else nothing."""
+    return _opaque if d > BOX else _as_is
+
+
 def _stage_hooks(D, kind):
     """The fused kernel's steps of dQ_i = dS K_j, after dS^T is in
     shared memory: `start` (warpgroup c takes dQ_i's columns C c.., C =
@@ -164,6 +198,7 @@ def _stage_hooks(D, kind):
     producer's thread DRAIN that adds each staged tile to dQ."""
     BK, BQ, DQ_B = own("dkv"), STREAMED, dq_bytes(D)
     COLS = dq_columns(D)
+    placed = place_source(D)
     lbo, sbo, step = fragments.mn_major_128b(BK)
     # dS (queries x keys) and K_j's columns: dS^T and K_j read MN-major
     q_issue = mma_ss(COLS, BK // 16, step, step, kind, trans_b=1,
@@ -196,13 +231,15 @@ def _stage_hooks(D, kind):
         # dQ[b, i0:], it is added to
         q_wait(gq)
         u = claim(bars, n)
-        box = dq_at + uint32(DQ_B * u + BQ * 4 * COLS * (wc // 4))
-        tw = 32 * (wc % 4) + lane  # the thread in its warpgroup
+        # this thread among the consumers, read again here (placed)
+        tc = placed(uint32(cuda.threadIdx.x - 128))
+        box = dq_at + uint32(DQ_B * u) + uint32(BQ * 4 * COLS) * (tc >> 7)
+        tw = tc & 127  # the thread in its warpgroup
         for h in range(2):
             for x in range(COLS // 8):
                 tma.st_shared_f2(box + uint32(c_place(tw, x, h)),
                                  gq[x, 2 * h] * tau, gq[x, 2 * h + 1] * tau)
-        if wc == 0 and lane == 0:
+        if tc == 0:
             where[u, 0], where[u, 1] = b, i0
         proxy_fence()  # the stores, to TMA's proxy, before the arrival
         tma.arrive(bars + uint32(8 * (DQ_FULL + u)))
@@ -267,9 +304,10 @@ def _make(D, D_V, kind, with_dq):
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     CONSUMERS = 128 * GROUPS  # consumer threads
     # stage n % NSTAGES of Q_i, dO_i, in phase (n / NSTAGES) % 2: by bits
-    NSTAGES, SB = STAGES, STAGES.bit_length() - 1
+    NSTAGES = stages(D, D_V, with_dq)
+    SB = NSTAGES.bit_length() - 1
     if NSTAGES != 1 << SB:
-        raise ValueError(f"STAGES: expected a power of two, got {STAGES}")
+        raise ValueError(f"STAGES: expected a power of two, got {NSTAGES}")
     EMPTY, MBARRIERS = barrier_numbers(NSTAGES)
     _, keep, grow = REGISTERS["fused" if with_dq else "dkv"]
     release = tma.release_registers[keep]  # the producer's setmaxnreg
@@ -293,6 +331,7 @@ def _make(D, D_V, kind, with_dq):
     # d = 64 (each warpgroup its own keys), then stage and drain; no-ops
     # for make_dkv
     keep_ds = _dq_hooks(D, kind)[0] if with_dq else _no_ds
+    placed = place_source(D)
     start_dq, stage_dq, close, drain = _stage_hooks(D, kind) if with_dq \
         else (_no_start, _no_stage, _no_close, _no_drain)
     DS_B = 2 * BK * BQ  # dS^T of the block's keys (fused)
@@ -300,7 +339,7 @@ def _make(D, D_V, kind, with_dq):
     DQ_TILES = dq_columns(D) // 8
     # bytes from the aligned start to K_j, dS^T and the dQ tiles
     K_AT = 0
-    DS_AT = K_AT + K_B + V_B + STAGES * STAGE_B
+    DS_AT = K_AT + K_B + V_B + NSTAGES * STAGE_B
     DQ_AT = DS_AT + 2 * DS_B  # after two of dS^T
 
     @inline
@@ -451,7 +490,7 @@ def _make(D, D_V, kind, with_dq):
             # dS^T to buffer n % 2 (the other may still be read by the
             # other warpgroup's product), before dK's product takes da
             ds_at = base + uint32(DS_AT + DS_B * (n & 1))
-            keep_ds(da, ds_at, t - 128)
+            keep_ds(da, ds_at, placed(t - 128))
             k_issue(gk, da, qt_desc + at_now)
             v_wait(gv, pa)
             start_dq(gq, ds_at, k_at, wc)

@@ -435,7 +435,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8;
     None: registry.backward_version) for this GPU; (fused, None) for v7
     and v8 where atomics are allowed (not deterministic) and the fused
-    kernel takes d, d_v."""
+    kernel takes d, d_v (v8's: d = d_v)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -463,11 +463,12 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
                 f"{spec.head_dims}, got d={d}, d_v={d_v} (pass None for "
                 f"the best that takes them)")
     fused = f"backward_v{version}_fused_{kind}"
+    # v8's fused kernel is run at d = d_v only (mixed head dims are not
+    # among its GPU tests): there its two kernels, deterministic
     if version in (7, 8) and not deterministic and \
-            registry.get(fused).takes(d, d_v):
+            registry.get(fused).takes(d, d_v) and \
+            (version == 7 or d == d_v):
         return fused, None
-    # v8's fused kernel is built for d = 64 only: at 128 its two kernels
-    # (deterministic, and faster there than v7's fused one)
     return registry.backward_names(version, kind)
 
 

@@ -188,13 +188,15 @@ def _backward_wgmma(m, d, d_v, keys):
                 m.STREAMED // 8, d // 8, shared)
 
 
-def _backward_ws(m, d, d_v, keys):
+def _backward_ws(m, d, d_v, keys, fused=False):
     """_backward_wgmma's consumer warpgroups and a producer's (backward_v8):
-    its threads, the same tiles, its own static shared memory."""
+    its threads, the same tiles, its own static shared memory (the fused
+    kernel's stages by head dim)."""
     from flashlab.gpu import backward_v7
 
     return dict(_backward_wgmma(backward_v7, d, d_v, keys),
-                threads=m.threads(d, d_v), shared=m.static_bytes())
+                threads=m.threads(d, d_v),
+                shared=m.static_bytes(d, d_v, fused))
 
 
 def _helper(spec):
@@ -230,7 +232,8 @@ LAYOUTS = {
     "backward_v7.make_dq": functools.partial(_backward_wgmma, keys=False),
     "backward_v7.make_fused": functools.partial(_backward_wgmma, keys=True),
     "backward_v8.make_dkv": functools.partial(_backward_ws, keys=True),
-    "backward_v8.make_fused": functools.partial(_backward_ws, keys=True),
+    "backward_v8.make_fused": functools.partial(_backward_ws, keys=True,
+                                                fused=True),
 }
 
 
