@@ -40,8 +40,8 @@ def forward_calls(d):
 def backward16(rng):
     """The tensor-core backward (float16 numpy inputs), ragged and
     grouped, masked and not, with deterministic=False as well (on Hopper
-    v8's fused kernel, dQ added by TMA's reductions), which must agree
-    with the default."""
+    v8's fused kernel, dQ added by TMA's reductions) and by v9, which
+    must agree with the default."""
     for d in (64, 128):
         for kv_heads, opts in ((2, dict()), (1, dict(causal=True,
                                                      window=(20, 3)))):
@@ -55,16 +55,22 @@ def backward16(rng):
 
 def both_ways(q, k, v, do, opts):
     """The backward of gpu.attention's own forward (float16 numpy), with
-    deterministic=True and False: finite, and within float16's rounding
-    of each other (the two round float32 sums once each)."""
+    deterministic=True and False, and by backward v9 where the GPU runs
+    it (at d = d_v; at these lengths None runs v8): finite, and within
+    float16's rounding of each other (each rounds float32 sums once)."""
+    from flashlab.gpu import launch, registry
+
     o, lse = gpu.attention(q, k, v, return_lse=True, **opts)
-    runs = [gpu.attention_backward(q, k, v, o, lse, do, deterministic=flag,
-                                   **opts)
-            for flag in (True, False)]
-    for g, g2 in zip(*runs):
-        assert np.isfinite(g).all() and np.isfinite(g2).all()
-        scale = float(np.abs(g.astype(np.float32)).max())
-        assert np.abs(g.astype(np.float32) - g2).max() <= 2.0**-9 * scale
+    calls = [dict(deterministic=True), dict(deterministic=False)]
+    if registry.get("backward_v9_fused_f16").runs_on(launch.device_cc()):
+        calls.append(dict(version=9))
+    runs = [gpu.attention_backward(q, k, v, o, lse, do, **kw, **opts)
+            for kw in calls]
+    for g, *others in zip(*runs):
+        for g2 in others:
+            assert np.isfinite(g).all() and np.isfinite(g2).all()
+            scale = float(np.abs(g.astype(np.float32)).max())
+            assert np.abs(g.astype(np.float32) - g2).max() <= 2.0**-9 * scale
 
 
 def tensor_cores(rng):

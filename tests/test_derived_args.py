@@ -163,9 +163,15 @@ def test_backward_v8_is_registered_with_its_maps_derived():
                     + backward_v8.static_bytes(d, d, fused)) <= 227 * 1024
     assert backward_v8.stages(128, 128, True) < backward_v8.STAGES
     assert backward_v8.stages(64, 64, True) == backward_v8.STAGES
-    # version None picks it on Hopper at both head dims
-    assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 8
-    assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 8
+    # version None picks v9 on Hopper at d = d_v, v8 at mixed head dims
+    assert registry.backward_version("bfloat16", 64, 64, (9, 0)) == 9
+    assert registry.backward_version("bfloat16", 128, 128, (9, 0)) == 9
+    assert registry.backward_version("bfloat16", 64, 128, (9, 0)) == 8
+    # by keys: v9 from ORDERED_MIN_KEYS on, v8 below
+    for nk, version in ((registry.ORDERED_MIN_KEYS, 9),
+                        (registry.ORDERED_MIN_KEYS - 1, 8)):
+        assert registry.backward_version("bfloat16", 128, 128, (9, 0),
+                                         nk) == version
     assert registry.backward_version("bfloat16", 128, 128, (8, 0)) == 5
     assert registry.backward_version("float16", 64, 64, (8, 0)) == 5
     assert registry.backward_names(8, "f16") == ("backward_v8_dkv_f16",
@@ -180,9 +186,19 @@ def test_backward_v8_is_registered_with_its_maps_derived():
         assert fused[:-1] == v7 and str(fused[-1]) == "array(uint64, 1d, C)"
         assert spec.derived is not None and spec.grads16
         assert spec.takes(64, 64) and spec.takes(128, 128)
-        assert not spec.takes(96, 96)
+        assert not spec.takes(96, 96) and not spec.takes(64, 128)
         assert spec.threads == backward_v8.threads()
         assert spec.registers(64, 64) == backward_v8.max_registers()
+        # backward v9: that kernel's arguments with the int32 counts of
+        # each dQ tile's additions after dQ, at d = d_v only
+        ordered = registry.get(f"backward_v9_fused_{kind}")
+        types9 = registry.argument_types(ordered.args)
+        assert types9[:9] == fused[:9] and types9[10:] == fused[9:]
+        assert str(types9[9]) == "array(int32, 2d, C)"
+        assert ordered.takes(128, 128) and not ordered.takes(128, 64)
+        assert ordered.placed and ordered.grads16 and ordered.same_dims
+    assert registry.backward_names(9, "bf16") == ("backward_v9_fused_bf16",
+                                                  None)
 
 
 @pytest.mark.parametrize("d, deterministic, names", [
@@ -192,19 +208,29 @@ def test_backward_v8_is_registered_with_its_maps_derived():
     (128, False, ("backward_v8_fused_bf16", None))])
 def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
         d, deterministic, names):
-    # on Hopper (what the simulator stands for here): version None runs
-    # v8, fused only where atomics are allowed; asking for v8 by number
-    # does the same; v7 by number runs its own, fused without determinism
-    # at either head dim. At mixed head dims v8 runs its two kernels
+    # on Hopper (what the simulator stands for here): v8 by number runs
+    # its two kernels, fused only where atomics are allowed; version None
+    # and v9 by number run v9's kernel, v8's fused one where atomics are
+    # allowed; v7 by number runs its own, fused without determinism at
+    # either head dim. At mixed head dims None runs v8's two kernels
     from numba import config
 
     from flashlab.gpu import host
 
     if not config.ENABLE_CUDASIM:
         pytest.skip("the simulator stands for a Hopper GPU here")
-    for version in (None, 8):
+    assert host._backward16_names(8, "bfloat16", d, d,
+                                  deterministic) == names
+    v9 = ("backward_v9_fused_bf16", None) if deterministic else names
+    for version in (None, 9):
         assert host._backward16_names(version, "bfloat16", d, d,
-                                      deterministic) == names
+                                      deterministic) == v9
+    # below ORDERED_MIN_KEYS keys None runs v8, and 9 by number still v9
+    short = registry.ORDERED_MIN_KEYS // 2
+    assert host._backward16_names(None, "bfloat16", d, d, deterministic,
+                                  short) == names
+    assert host._backward16_names(9, "bfloat16", d, d, deterministic,
+                                  short) == v9
     v7 = ("backward_v7_dkv_bf16", "backward_v7_dq_bf16") if \
         deterministic else ("backward_v7_fused_bf16", None)
     assert host._backward16_names(7, "bfloat16", d, d, deterministic) == v7
@@ -213,13 +239,15 @@ def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
         "backward_v8_dkv_bf16", "backward_v7_dq_bf16")
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused, ordered", [(False, False), (True, False),
+                                           (True, True)])
 def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
-                                                        fused):
+                                                        fused, ordered):
     # what its update reads from a packed launch: the data pointers and
     # dims of q, k, v, dO; Q_i and dO_i boxes of STREAMED rows, K_j and
     # V_j boxes of a block's keys; the fused kernel's also dQ's (float32,
-    # boxes of STREAMED rows); the set keyed by all of them
+    # boxes of STREAMED rows); the set keyed by all of them; the ordered
+    # kernel's maps one argument later, after the counts
     from flashlab.gpu import backward_v7, backward_v8
 
     encoded = []
@@ -234,12 +262,15 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
     ring = Ring()
     words = 80 if fused else 64
     monkeypatch.setattr(backward_v8, "_SLOTS", {words: ring})
-    kernel = launch.DriverKernel("k", 0, registry.argument_types(
-        "backward16_fused_tma" if fused else "backward16_dkv_tma"), None)
+    args_key = ("backward16_ordered_tma" if ordered else
+                "backward16_fused_tma" if fused else "backward16_dkv_tma")
+    kernel = launch.DriverKernel("k", 0, registry.argument_types(args_key),
+                                 None)
+    derived = (backward_v8.derived_ordered if ordered else
+               backward_v8.derived_fused if fused else backward_v8.derived)
     kernel.derived = launch.Derived(
         lambda: (FakeDeviceArray((words,), np.uint64, 0),),
-        (backward_v8.derived_fused if fused else backward_v8.derived)(
-            64, 64).update)
+        derived(64, 64).update)
     driver = FakeDriver()
     monkeypatch.setattr(launch, "_cuda", lambda: driver)
     from flashlab.kernel_args import KernelRules
@@ -254,6 +285,8 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
             FakeDeviceArray((3, 130, 32), np.int32, 0x5800),
             *([FakeDeviceArray((6, 100, 64), np.float32, 0x5C00)]
               if fused else []),
+            *([FakeDeviceArray((6, 2), np.int32, 0x5D00)]
+              if ordered else []),
             KernelRules(np.float32(0.1), False, 0, -1, -1, False,
                         np.uint64(0), np.uint64(0), False, np.float32(0),
                         np.float32(0), 2),
@@ -264,7 +297,7 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
     dq = 0x5C00 if fused else None
     assert ring.seen == ((0x1000, 0x2000, 0x3000, 0x4000, dq, 6, 100, 3,
                           130, 64, 64), 7)
-    assert packed.read(backward_v8.MAPS_ARG + fused,
+    assert packed.read(backward_v8.MAPS_ARG + fused + ordered,
                        launch.DATA_FIELD) == 0x6000
     rows, keys = backward_v7.STREAMED, backward_v7.own("dkv")
     assert encoded == [(0x1000, 100, 6, 64, rows), (0x2000, 130, 3, 64, keys),

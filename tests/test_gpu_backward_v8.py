@@ -8,8 +8,11 @@ key, masks, windows, causal at both alignments, key lengths, dropout,
 grouped heads), on poisoned outputs. Its fused kernel (deterministic=
 False: dQ in the same pass, added by TMA's reductions) gives v8's dK and
 dV bit for bit, and dQ within a unit of the dtype of v8's (float32 sums
-in another order, each rounded once). test_gpu_tensor_cores holds both
-to float64 within twice torch flash's error, as v5 and v7."""
+in another order, each rounded once). Backward v9 (that kernel with
+each dQ tile's additions made in the order of the key blocks, and each
+block's query tiles taken last to first) gives all three within a unit
+of v8's, and the same bits on every run. test_gpu_tensor_cores holds
+them to float64 within twice torch flash's error, as v5 and v7."""
 
 import numpy as np
 import pytest
@@ -122,15 +125,17 @@ def test_backward_v8_fused_is_v8_up_to_dq_order(rng, opts, dtype, d):
                 assert torch.equal(g, w), (name, nq, nk, opts)
 
 
+@pytest.mark.parametrize("version", [8, 9])
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_v8_against_float64(rng, d):
+def test_backward_v8_against_float64(rng, d, version):
     # not only v7's bits: a long ragged causal case against float64,
     # within the bound test_gpu_v7 holds v7 to (twice backward_v5's
     # error, and half a bf16 ulp of rounding)
     q, k, v, do, kw = inputs(rng, dict(causal=True), 1000, 1000,
                              "bfloat16", d)
     o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
-    got = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
+    got = gpu.attention_backward(q, k, v, o, lse, do, version=version,
+                                 **kw)
     v5 = gpu.attention_backward(q, k, v, o, lse, do, version=5, **kw)
     x64 = [x.double().cpu().numpy() for x in (q, k, v, o, do)]
     want = tiled.attention_backward(*x64[:4], lse.double().cpu().numpy(),
@@ -142,10 +147,11 @@ def test_backward_v8_against_float64(rng, d):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_v8_is_the_default(rng, d):
-    # version None runs v8 at both head dims (the same bits as asking
-    # for it); under deterministic=False its fused kernel: dK and dV the
-    # two kernels' bits, dQ the same only where deterministic
+def test_backward_v9_is_the_default(rng, d):
+    # version None runs v9 at d = d_v (the same bits as asking for it),
+    # v8 at mixed head dims; under deterministic=False v8's fused kernel
+    # (within a unit of v9's: it takes the query tiles in the other
+    # order, `next_item_down`)
     import torch
 
     q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16",
@@ -154,12 +160,65 @@ def test_backward_v8_is_the_default(rng, d):
     runs = {}
     for flag in (True, False):
         want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
-                                      version=8, deterministic=flag)
+                                      version=9, deterministic=flag)
         got = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
                                      deterministic=flag)
         assert all(torch.equal(g, w) for g, w in zip(got[1:], want[1:]))
         if flag:
             assert torch.equal(got[0], want[0])
         runs[flag] = got
-    assert all(torch.equal(g, w) for g, w in zip(runs[False][1:],
-                                                  runs[True][1:]))
+    for g, w in zip(*runs.values()):
+        assert within_a_unit(g, w)
+    q, k, v, do, kw = inputs(rng, dict(), 200, 200, "bfloat16", d, 192 - d)
+    o, lse = gpu.attention(q, k, v, return_lse=True)
+    got = gpu.attention_backward(q, k, v, o, lse, do)
+    want = gpu.attention_backward(q, k, v, o, lse, do, version=8)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("opts", CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_v9_is_v8_up_to_order_and_repeats(rng, opts, dtype, d):
+    # v9 is v8's fused kernel with each dQ tile's additions in key-block
+    # order, and each block's query tiles taken last to first: every
+    # gradient within a unit of the dtype of v8's two kernels' (float32
+    # sums in another order), and the same bits on every run. 700 keys
+    # are six key blocks adding to each query tile in turn (causal: up
+    # to six)
+    import torch
+
+    for nq, nk in ((ragged(rng, 700), ragged(rng, 700)), (1, 1), (1, 300),
+                   (130, 1), (64, 64)):
+        q, k, v, do, kw = inputs(rng, opts, nq, nk, dtype, d)
+        o, lse = gpu.attention(q, k, v, return_lse=True, **kw)
+        got = gpu.attention_backward(q, k, v, o, lse, do, version=9, **kw)
+        want = gpu.attention_backward(q, k, v, o, lse, do, version=8, **kw)
+        for name, g, w in zip("qkv", got, want):
+            assert g.dtype == w.dtype == q.dtype and g.shape == w.shape
+            assert not torch.isnan(g).any(), (name, nq, nk, opts)
+            assert within_a_unit(g, w), (name, nq, nk, opts)
+        for _ in range(3):
+            again = gpu.attention_backward(q, k, v, o, lse, do, version=9,
+                                           **kw)
+            assert all(torch.equal(a, g) for a, g in zip(again, got)), (
+                nq, nk, opts)
+
+
+def within_a_unit(g, w):
+    """Whether 16-bit g is w up to a unit of the dtype, element-wise (of
+    |w|, and of 2^-6 of w's largest: float32 sums in another order, each
+    rounded once)."""
+    import torch
+
+    unit = float(torch.finfo(g.dtype).eps)
+    gap = (g.float() - w.float()).abs()
+    return bool((gap <= unit * w.float().abs() + unit * 2.0**-6
+                 * float(w.float().abs().max())).all())
+
+
+def test_backward_v9_refuses_mixed_head_dims(rng):
+    q, k, v, do, kw = inputs(rng, dict(), 100, 100, "bfloat16", 64, 128)
+    o, lse = gpu.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="with d = d_v"):
+        gpu.attention_backward(q, k, v, o, lse, do, version=9)

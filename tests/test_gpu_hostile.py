@@ -307,12 +307,14 @@ def backward16(q, k, v, o, lse, do, version=5, **opts):
     with row_statistics_<kind>'s stats; float32 gradients, or 16-bit ones
     for a kernel with registry `grads16`. Version "8 fused": gpu's
     attention_backward with deterministic=False (dQ by TMA's reductions
-    into a float32 sum the host rounds)."""
-    if version == "8 fused":
+    into a float32 sum the host rounds); 9: gpu's (those reductions in
+    turn)."""
+    if version in ("8 fused", 9):
         from flashlab import gpu
 
-        got = gpu.attention_backward(q, k, v, o, lse, do, version=8,
-                                     deterministic=False, **opts)
+        got = gpu.attention_backward(q, k, v, o, lse, do,
+                                     version=int(str(version)[0]),
+                                     deterministic=version == 9, **opts)
         return tuple(np.asarray(g.float().cpu()) if hasattr(g, "float")
                      else g for g in got)
     call = call_of(q, k, v, opts)
@@ -371,7 +373,8 @@ def as64(*tensors):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("version, d", [(5, 64), (7, 64), (8, 64),
-                                        ("8 fused", 64), ("8 fused", 128)])
+                                        ("8 fused", 64), ("8 fused", 128),
+                                        (9, 64), (9, 128)])
 @pytest.mark.parametrize("dtype, value, tau, do_scale", [
     ("bfloat16", 1.8e7, 0.5, 1.0), ("bfloat16", -3.0e38, 1.0, 2.0**-6),
     ("float16", 6.0e4, 0.5, 1.0)])

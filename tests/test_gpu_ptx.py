@@ -305,11 +305,13 @@ for kind, d in itertools.product(("bf16", "f16"), backward_v8.HEAD_DIMS):
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
         f64=ptx.float64_ops(text),
         **ptx.assemble(text, backward_v8.CC, spec.registers(d, d)))
-for kind, d in itertools.product(("bf16", "f16"),
-                                 backward_v8.FUSED_HEAD_DIMS):
-    spec = registry.get(f"backward_v8_fused_{kind}")
-    text = backward_v8.compile_ptx(d, d, kind, "fused")
-    out[f"{kind} fused d{d}"] = dict(
+for kind, d, part in itertools.product(("bf16", "f16"),
+                                       backward_v8.FUSED_HEAD_DIMS,
+                                       ("fused", "ordered")):
+    spec = registry.get(f"{backward_v8.NAMES[part]}_{kind}")
+    text = backward_v8.compile_ptx(d, d, kind, part)
+    out[f"{kind} {part} d{d}"] = dict(
+        turns=(text.count("ld.acquire.gpu"), text.count("red.release.gpu")),
         wgmma=text.count("wgmma.mma_async"),
         tma=text.count("cp.async.bulk.tensor"),
         reduce=text.count("cp.reduce.async.bulk.tensor"),
@@ -328,7 +330,8 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
     # V_j, Q_i, dO_i) where v7 copies with cp.async, and its one block
     # barrier the one after the mbarriers' set-up (v7's is in its loop);
     # setmaxnreg both ways; assembled by ptxas with its register cap,
-    # nothing spilled. Its fused kernel at both head dims too
+    # nothing spilled. Its fused kernel at both head dims too, and v9's
+    # (the fused kernel taking turns)
     import json
     import os
     import subprocess
@@ -346,7 +349,7 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
         assert r["local"] == 0 and r["f64"] == 0, (kind, r)
         assert r["setmaxnreg"] == 2, (kind, r)
         d = int(kind.split("d")[-1])
-        if "fused" in kind:
+        if "fused" in kind or "ordered" in kind:
             # and dQ = dS K (8 k-steps over the block's keys, a
             # warpgroup's d / 2 columns: one product each), added by TMA:
             # the block's tile in d / 32 boxes, no atomics; a named
@@ -355,6 +358,9 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
             assert r["reduce"] == d // 32 and r["atomics"] == 0, (kind, r)
             assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
             assert r["bars"] == 2, (kind, r)
+            # v9 (ordered): one acquire spin and one release a tile
+            turns = [1, 1] if "ordered" in kind else [0, 0]
+            assert r["turns"] == turns, (kind, r)
             continue
         # S^T, dP^T: d / 16 k-steps each; dV, dK: 4 (64 queries)
         assert r["wgmma"] == r["v7_wgmma"] == 2 * d // 16 + 8, (kind, r)

@@ -163,7 +163,7 @@ def backward_version(version, d=64):
     it is not built for head dim d."""
     from flashlab.gpu import launch, registry
 
-    spec = registry.get(f"backward_v{version}_dkv_bf16")
+    spec = registry.get(registry.backward_names(version, "bf16")[0])
     if not spec.runs_on(launch.device_cc()):
         pytest.skip(f"backward v{version} does not run on this GPU")
     if not spec.takes(d, d):
@@ -171,14 +171,14 @@ def backward_version(version, d=64):
     return version
 
 
-@pytest.mark.parametrize("version", [5, 7, 8, "7 fused", "8 fused"])
+@pytest.mark.parametrize("version", [5, 7, 8, 9, "7 fused", "8 fused"])
 @pytest.mark.parametrize("opts", BACKWARD_CASES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16bit_backward_against_float64(rng, opts, d, dtype, version):
     # backward_v5, v7 (its two kernels, and with deterministic=False
-    # its fused kernel, dQ by atomics) and v8 (d = 64; and fused, dQ by
-    # TMA's reductions) against tiled's
+    # its fused kernel, dQ by atomics), v8 (and fused, dQ by TMA's
+    # reductions) and v9 (in turn) against tiled's
     # float64 backward on the same 16-bit inputs; the scale of a fair
     # error is torch's flash backward in the same dtype on the same
     # inputs (causal or not; its kernels take no other mask, nor a

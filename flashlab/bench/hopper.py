@@ -65,13 +65,15 @@ def forward_rows(sizes=SIZES):
 
 BACKWARD = ("flashlab v5 bf16", "flashlab v7 bf16",
             "flashlab v7 fused bf16", "flashlab v8 bf16",
-            "flashlab v8 fused bf16", "torch flash bf16", "torch cudnn bf16")
+            "flashlab v8 fused bf16", "flashlab v9 bf16", "torch flash bf16",
+            "torch cudnn bf16")
 
 
 def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
     """The bf16 backward alone, from a saved forward: backward_v5, v7
     (gpu.attention_backward; v7 deterministic, and fused with dQ by
-    atomics) and v8 (and fused, dQ by TMA's reductions) against
+    atomics), v8 (and fused, dQ by TMA's reductions) and v9 (those
+    reductions in turn) against
     torch's flash and cuDNN backwards (autograd), per (d, N, causal)."""
     cases = tuple(runner.Case("backward", b, h, n, d, c, BACKWARD,
                               "torch flash bf16", 5 if n > 8192 else 20,
@@ -86,6 +88,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
              tensor._hopper(_saved_backward(8)),
              ("backward", "flashlab v8 fused bf16"):
              tensor._hopper(_saved_backward(8, deterministic=False)),
+             ("backward", "flashlab v9 bf16"):
+             tensor._hopper(_saved_backward(9)),
              ("backward", "torch flash bf16"):
              tensor._backward("FLASH_ATTENTION"),
              ("backward", "torch cudnn bf16"):
@@ -96,7 +100,8 @@ def backward_rows(sizes=(4096, 16384), dims=(64, 128), b=2, h=8):
                          optional=("torch cudnn bf16", "flashlab v7 bf16",
                                    "flashlab v7 fused bf16",
                                    "flashlab v8 bf16",
-                                   "flashlab v8 fused bf16"))
+                                   "flashlab v8 fused bf16",
+                                   "flashlab v9 bf16"))
     return runner.run(suite)
 
 
@@ -107,7 +112,7 @@ def _saved_backward(version, deterministic=True):
         from flashlab import gpu
         from flashlab.gpu import registry
 
-        part = "dkv" if deterministic else "fused"
+        part = "dkv" if deterministic and version < 9 else "fused"
         if not registry.get(f"backward_v{version}_{part}_bf16").takes(
                 case.d, case.d):
             def absent():

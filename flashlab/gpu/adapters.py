@@ -125,6 +125,12 @@ class TorchArrays:
 
         return torch.zeros(shape, dtype=torch.float32, device=self.device)
 
+    def counts(self, shape):
+        """int32 zeros, counters a kernel adds one to in turn."""
+        import torch
+
+        return torch.zeros(shape, dtype=torch.int32, device=self.device)
+
     def zeros_bool(self, shape):
         """A kernel view of False flags (small: one per column)."""
         import torch
@@ -208,6 +214,14 @@ class DeviceArrays:
         from numba import cuda
 
         return cuda.to_device(np.zeros(shape, dtype=np.float32),
+                              stream=self.stream)
+
+    def counts(self, shape):
+        """A device array of int32 zeros, counters a kernel adds one to in
+        turn."""
+        from numba import cuda
+
+        return cuda.to_device(np.zeros(shape, dtype=np.int32),
                               stream=self.stream)
 
     def zeros_bool(self, shape):

@@ -40,7 +40,20 @@ its consumers work out their store places from a thread index read
 through intrinsics.opaque inside the loop (`place_source`): worked out
 once before it, they stayed live across the loop and ptxas spilled
 them. Measured on the H200 at 16K it is 13 to 16% faster than this
-kernel with v7's dQ kernel at d = 64 and 128. See chapter 12.
+kernel with v7's dQ kernel at d = 64 and 128.
+
+`make_ordered` is backward version 9: the fused kernel with the same
+bits every run. The key blocks that visit a query tile add to it in rank
+order, as FlashAttention-3's deterministic backward does: the thread
+that hands a tile to TMA waits until an int32 count of that tile's
+additions, in global memory, says the blocks of lower rank have made
+theirs (an acquire load in a loop), waits for its own reductions to be
+done, not only read, and adds one to the count (a release). Blocks
+start in rank order (flashlab.order), so a block only waits for blocks
+that started before it, and it takes its query tiles last to first
+(`next_item_down`), where blocks of lower rank are never behind it. The
+host passes the counts zeroed, beside the zeroed float32 dQ. See
+chapter 12.
 """
 
 import numpy as np
@@ -61,7 +74,7 @@ from flashlab.gpu.backward_v7 import (
     next_item,
     own,
 )
-from flashlab.gpu.device import F0, inline
+from flashlab.gpu.device import F0, inline, tile_skipped
 from flashlab.gpu.forward_v7 import ALIGN, CC, descriptor_128b, make_to_a
 from flashlab.gpu.intrinsics import (
     bar_sync,
@@ -69,11 +82,11 @@ from flashlab.gpu.intrinsics import (
     opaque,
     shared_address,
 )
-from flashlab.gpu.warp import block_place
+from flashlab.gpu.warp import block_place, tile_range
 from flashlab.gpu.wgmma import mma_rs, mma_ss, proxy_fence, wait_for
 
 __all__ = ["CC", "FUSED_HEAD_DIMS", "HEAD_DIMS", "make_dkv", "make_fused",
-           "shared_bytes", "threads"]
+           "make_ordered", "shared_bytes", "threads"]
 
 HEAD_DIMS = (64, 128)  # of the dK/dV kernel
 # of the fused kernel (the host runs it at d = d_v only)
@@ -168,6 +181,13 @@ def make_fused(D, D_V, kind="bf16"):
     return _make(D, D_V, kind, with_dq=True)
 
 
+def make_ordered(D, D_V, kind="bf16"):
+    """make_fused's kernel with each dQ tile's additions made in the
+    order of the key blocks (backward version 9): the same bits every
+    run."""
+    return _make(D, D_V, kind, with_dq=True, ordered=True)
+
+
 c_place = cuda.jit(device=True)(fragments.c_pair_offset32)
 
 
@@ -189,16 +209,49 @@ def place_source(d):
     return _opaque if d > BOX else _as_is
 
 
-def _stage_hooks(D, kind):
+@inline
+def next_item_down(g, it, groups, nt, nq, j0, j1, rules, kv_len, b0):
+    """The ordered kernel's next_item: query tiles last to first, and at
+    each tile the group's query heads in turn (g = -1, it = nt - 1 before
+    the first); the first (g, it) after (g, it) that keys j0..j1-1 do not
+    skip, g = groups if none is left.
+
+    Its blocks add to a dQ tile in rank order, and start in rank order.
+    Taken first to last, a block's first tile under a causal mask is the
+    diagonal's, 2 r tiles in for rank r, which blocks of lower rank
+    started at the same time reach only 2 r tiles later: each would wait
+    that long. Taken last to first, every block starts at the last tile
+    and blocks of lower rank are never behind (a window's runs, which
+    move up with the rank, too); and tile by tile, not head by head, or
+    with grouped heads a block of high rank, with fewer tiles a head,
+    would reach the next head first and wait there.
+    """
+    g += 1
+    while it >= 0:
+        if g == groups:
+            g = 0
+            it -= 1
+        else:
+            i0 = it * STREAMED
+            if not tile_skipped(i0, min(i0 + STREAMED, nq), j0, j1, rules,
+                                kv_len[b0 + g]):
+                return g, it
+            g += 1
+    return groups, it
+
+
+def _stage_hooks(D, kind, ordered=False):
     """The fused kernel's steps of dQ_i = dS K_j, after dS^T is in
     shared memory: `start` (warpgroup c takes dQ_i's columns C c.., C =
     dq_columns(D), over all of the block's keys: one tile a block, not
     one a warpgroup, for TMA to add), `stage` (waits for the product and
     puts it where TMA reads it, `close` after the last), and `drain`, the
-    producer's thread DRAIN that adds each staged tile to dQ."""
+    producer's thread DRAIN that adds each staged tile to dQ (`ordered`:
+    in turn, see `make_ordered`)."""
     BK, BQ, DQ_B = own("dkv"), STREAMED, dq_bytes(D)
     COLS = dq_columns(D)
     placed = place_source(D)
+    turn, turn_done = _turns(ordered)
     lbo, sbo, step = fragments.mn_major_128b(BK)
     # dS (queries x keys) and K_j's columns: dS^T and K_j read MN-major
     q_issue = mma_ss(COLS, BK // 16, step, step, kind, trans_b=1,
@@ -253,12 +306,14 @@ def _stage_hooks(D, kind):
         tma.arrive(bars + uint32(8 * (DQ_FULL + u)))
 
     @inline
-    def drain(maps_at, bars, dq_at, where):
+    def drain(maps_at, bars, dq_at, where, counts, rank, rules, kv_len, nq,
+              nk):
         # each item's staged tile, added to rows i0.. of dQ[b] (the rows
         # past Nq left out by TMA), until told to stop; a buffer is free
         # again once TMA has read it, the additions land on their own.
         # Told where, not working it out: this thread has the producer's
-        # few registers
+        # few registers. Ordered, a block adds to a tile in its turn,
+        # once counts[b, tile] says the ranks before it have (`_turns`)
         n = 0
         while True:
             u, phase = n & 1, (n >> 1) & 1
@@ -266,17 +321,54 @@ def _stage_hooks(D, kind):
             b, i0 = where[u, 0], where[u, 1]
             if b < 0:
                 break
+            at = turn(counts, b, i0, rank, rules, kv_len, nq, nk)
             for p in range(D // DQ_BOX):
                 tma.reduce_add_3d(maps_at + uint64(512), int32(p * DQ_BOX),
                                   i0, b, dq_at + uint32(DQ_B * u
                                                         + p * BQ * 128))
             tma.bulk_commit()
-            tma.bulk_wait_read()
+            turn_done(at)
             tma.arrive(bars + uint32(8 * (DQ_EMPTY + u)))
             n += 1
         tma.bulk_wait()  # the additions done before the block leaves
 
     return start, stage, close, drain
+
+
+def _turns(ordered):
+    """The drain's steps around a tile's additions: (`turn`, which waits
+    for this block's turn at the tile and returns where its count is, and
+    `turn_done`, which frees the staged tile once TMA has read it and,
+    ordered, passes the turn on once the additions are done)."""
+    BK, BQ = own("dkv"), STREAMED
+    if not ordered:
+        @inline
+        def no_turn(counts, b, i0, rank, rules, kv_len, nq, nk):
+            return uint64(0)
+
+        @inline
+        def read(at):
+            tma.bulk_wait_read()
+
+        return no_turn, read
+
+    @inline
+    def turn(counts, b, i0, rank, rules, kv_len, nq, nk):
+        # the key blocks that visit query tile i0 / BQ of head b are the
+        # ranks first..last (tile_range's run); rank r's turn is the
+        # (r - first)-th
+        first = tile_range(i0, min(i0 + BQ, nq), nk, BK, rules,
+                           kv_len[b])[0]
+        at = global_address(counts, (b, i0 // BQ))
+        tma.wait_count(at, uint32(rank - first))
+        return at
+
+    @inline
+    def done(at):
+        tma.bulk_wait()  # the additions made, not only read
+        tma.count_up(at)
+
+    return turn, done
 
 
 @inline
@@ -295,12 +387,14 @@ def _no_close(bars, wc, n, lane, where):
 
 
 @inline
-def _no_drain(maps_at, bars, dq_at, where):
+def _no_drain(maps_at, bars, dq_at, where, counts, rank, rules, kv_len, nq,
+              nk):
     pass
 
 
-def _make(D, D_V, kind, with_dq):
-    """The kernel of a block of keys: dK and dV, and with_dq dQ too."""
+def _make(D, D_V, kind, with_dq, ordered=False):
+    """The kernel of a block of keys: dK and dV, and with_dq dQ too (in
+    key-block order if `ordered`)."""
     BK, BQ = own("dkv"), STREAMED  # keys per block, queries per tile
     CONSUMERS = 128 * GROUPS  # consumer threads
     # stage n % NSTAGES of Q_i, dO_i, in phase (n / NSTAGES) % 2: by bits
@@ -332,8 +426,12 @@ def _make(D, D_V, kind, with_dq):
     # for make_dkv
     keep_ds = _dq_hooks(D, kind)[0] if with_dq else _no_ds
     placed = place_source(D)
-    start_dq, stage_dq, close, drain = _stage_hooks(D, kind) if with_dq \
-        else (_no_start, _no_stage, _no_close, _no_drain)
+    start_dq, stage_dq, close, drain = _stage_hooks(D, kind, ordered) \
+        if with_dq else (_no_start, _no_stage, _no_close, _no_drain)
+    # the order of a block's query tiles: up, or (ordered) down, so that
+    # at any tile the blocks of lower rank, whose additions come first,
+    # are ahead (`next_item_down`)
+    step = next_item_down if ordered else next_item
     DS_B = 2 * BK * BQ  # dS^T of the block's keys (fused)
     # n-tiles of a warpgroup's part of dQ_i (fused)
     DQ_TILES = dq_columns(D) // 8
@@ -343,13 +441,14 @@ def _make(D, D_V, kind, with_dq):
     DQ_AT = DS_AT + 2 * DS_B  # after two of dS^T
 
     @inline
-    def run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask,
-            maps):
+    def run(q, k, v, do, stats, delta, dk, dv, dq, counts, rules, kv_len,
+            mask, maps):
         # q, do: (BH, Nq, d) and k, v: (BH_kv, Nk, d) 16-bit bits; dk, dv:
         # (BH_kv, Nk, d / 2) 16-bit pairs, one block row per K/V head;
         # stats: shifts (BH, Nq), then norms (BH, Nq) if present; dq
-        # (fused): float32 (BH, Nq, d), tau dS K added to it; maps: the
-        # tensor maps of q, k, v, do (and dq), 16 words each
+        # (fused): float32 (BH, Nq, d), tau dS K added to it; counts
+        # (ordered): int32 (BH, query tiles), zeros; maps: the tensor maps
+        # of q, k, v, do (and dq), 16 words each
         tiles = cuda.shared.array(0, int16)  # K_j, V_j, 2 x (Q_i, dO_i)
         barriers = cuda.shared.array(MBARRIERS, uint64)
         # row_terms (shift, zn, dl) of each stage's queries
@@ -369,6 +468,8 @@ def _make(D, D_V, kind, with_dq):
         nq, nk = q.shape[1], k.shape[1]
         j1 = min(j0 + BK, nk)
         nt = (nq + BQ - 1) // BQ
+        # the item "before" the first: (head, query tile)
+        g_start, before = (-1, nt - 1) if ordered else (0, -1)
         groups = rules.group  # query heads of this K/V head
         at = shared_address(tiles, 0)
         base = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
@@ -398,11 +499,12 @@ def _make(D, D_V, kind, with_dq):
         if w < 4:  # the producer warpgroup
             release()
             if with_dq and t == DRAIN:
-                drain(maps_at, bars, base + uint32(DQ_AT), where)
+                drain(maps_at, bars, base + uint32(DQ_AT), where, counts,
+                      rank, rules, kv_len, nq, nk)
                 return
             if 0 < t < 128 - TERM_THREADS:
                 return
-            g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules,
+            g, it = step(g_start, before, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
             if t == 0 and g < groups:
                 full = bars + uint32(8 * KV_FULL)
@@ -441,7 +543,7 @@ def _make(D, D_V, kind, with_dq):
                     terms[s, 0, x], terms[s, 1, x] = r0, r1
                     terms[s, 2, x] = r2
                     tma.arrive(full)
-                g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
+                g, it = step(g, it, groups, nt, nq, j0, j1, rules,
                                   kv_len, b0)
                 n += 1
             return
@@ -468,7 +570,8 @@ def _make(D, D_V, kind, with_dq):
             for x in range(4):
                 gv[n, x] = F0
         tau = rules.scale
-        g, it = next_item(0, -1, groups, nt, nq, j0, j1, rules, kv_len, b0)
+        g, it = step(g_start, before, groups, nt, nq, j0, j1, rules, kv_len,
+                     b0)
         if g < groups:
             tma.wait(bars + uint32(8 * KV_FULL), uint32(0))
         n = 0
@@ -497,7 +600,7 @@ def _make(D, D_V, kind, with_dq):
             k_wait(gk, da)
             tma.arrive(bars + uint32(8 * (EMPTY + s)))  # stage s read
             # the next item worked out while dQ's product (fused) runs
-            g, it = next_item(g, it, groups, nt, nq, j0, j1, rules,
+            g, it = step(g, it, groups, nt, nq, j0, j1, rules,
                               kv_len, b0)
             stage_dq(gq, bars, base + uint32(DQ_AT), wc, n, lane, tau,
                      where, int32(b), int32(i0))
@@ -506,20 +609,29 @@ def _make(D, D_V, kind, with_dq):
         store_k(gk, dk, bk, key, nk, lane % 4, tau)
         store_v(gv, dv, bk, key, nk, lane % 4, float32(1))
 
+    if ordered:
+        @cuda.jit
+        def backward_v9_fused(q, k, v, do, stats, delta, dk, dv, dq, counts,
+                              rules, kv_len, mask, maps):
+            run(q, k, v, do, stats, delta, dk, dv, dq, counts, rules,
+                kv_len, mask, maps)
+
+        return backward_v9_fused
+
     if with_dq:
         @cuda.jit
         def backward_v8_fused(q, k, v, do, stats, delta, dk, dv, dq, rules,
                               kv_len, mask, maps):
-            run(q, k, v, do, stats, delta, dk, dv, dq, rules, kv_len, mask,
-                maps)
+            run(q, k, v, do, stats, delta, dk, dv, dq, kv_len, rules,
+                kv_len, mask, maps)
 
         return backward_v8_fused
 
     @cuda.jit
     def backward_v8_dkv(q, k, v, do, stats, delta, dk, dv, rules, kv_len,
                         mask, maps):
-        run(q, k, v, do, stats, delta, dk, dv, stats, rules, kv_len, mask,
-            maps)
+        run(q, k, v, do, stats, delta, dk, dv, stats, kv_len, rules, kv_len,
+            mask, maps)
 
     return backward_v8_dkv
 
@@ -568,11 +680,12 @@ def _maps_for(packed, stream, fused):
                             d_v, dq_at), stream)
 
 
-def _derived(fused):
-    """launch.Derived of the kernel's last argument, the tensor maps."""
+def _derived(fused, ordered=False):
+    """launch.Derived of the kernel's last argument, the tensor maps (after
+    dQ, fused, and the counts, ordered)."""
     from flashlab.gpu.launch import Derived
 
-    words, at = (80, MAPS_ARG + 1) if fused else (64, MAPS_ARG)
+    words, at = (80, MAPS_ARG + 1 + ordered) if fused else (64, MAPS_ARG)
 
     def placeholders():
         return (cuda.device_array(words, np.uint64),)
@@ -593,12 +706,21 @@ def derived_fused(d, d_v):
     return _derived(True)
 
 
+def derived_ordered(d, d_v):
+    """launch.Derived of the ordered kernel's maps (dQ's too)."""
+    return _derived(True, ordered=True)
+
+
+NAMES = {"dkv": "backward_v8_dkv", "fused": "backward_v8_fused",
+         "ordered": "backward_v9_fused"}  # registry names, by part
+
+
 def compile_ptx(d, d_v, kind="bf16", part="dkv"):
-    """PTX of kernel `part` ("dkv" or "fused") for sm_90a; needs no
-    GPU."""
+    """PTX of kernel `part` ("dkv", "fused" or "ordered") for sm_90a;
+    needs no GPU."""
     from flashlab.gpu import build, registry
 
-    spec = registry.get(f"backward_v8_{part}_{kind}")
+    spec = registry.get(f"{NAMES[part]}_{kind}")
     with build.compiling_without_gpu(CC[:2]):
         ptx, _ = cuda.compile_ptx(spec.make(d, d_v).py_func,
                                   registry.argument_types(spec.args), cc=CC)

@@ -279,17 +279,18 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
 
     float32 inputs run chapter 9's kernels; bf16 and float16 ones (head
     dims in backward_v5.HEAD_DIMS) the tensor-core kernels, with lse
-    float32 as the forward returns it: `version` 8 (`backward_v8`, v7's
-    kernels with a warp-specialized dK/dV), 7 (`backward_v7`, wgmma;
-    both Hopper only, gradients in the inputs' dtype, rounded once from
+    float32 as the forward returns it: `version` 9 (`backward_v8`'s fused
+    kernel with dQ's additions in a fixed order, d = d_v), 8 (v7's
+    kernels with a warp-specialized dK/dV), 7 (`backward_v7`, wgmma; all
+    three Hopper only, gradients in the inputs' dtype, rounded once from
     float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
-    the newest the GPU runs at these head dims. Deterministic by default:
-    no atomics, the same bits every run. deterministic=False lets v7, and
-    v8 at d = d_v = 64, run their fused kernels, which add each tile
-    pair's dQ to a float32 dQ by atomics (v8's by TMA's reductions; five
-    products a tile pair instead of seven; the order of the additions,
-    so dQ's last bits, vary from run to run); elsewhere it changes
-    nothing. With l (float32, lse's shape), lse holds the rows'
+    the newest the GPU runs at these head dims (v9 from
+    registry.ORDERED_MIN_KEYS keys on, v8 below). Deterministic by default: the
+    same bits every run. deterministic=False lets v7, v8 and v9 (v8's at
+    d = d_v) run their fused kernels, which add each tile pair's dQ to a
+    float32 dQ by atomics (v8's by TMA's reductions; five products a tile
+    pair instead of seven; the order of the additions, so dQ's last bits,
+    vary from run to run); elsewhere it changes nothing. With l (float32, lse's shape), lse holds the rows'
     max m and l their sum, as `tiled.attention_backward` takes them.
     """
     deterministic = check_flag("deterministic", deterministic)
@@ -320,7 +321,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"q: the 16-bit backward runs head dims "
                 f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
                 f"float32 copies")
-        names = _backward16_names(version, dtype, d, d_v, deterministic)
+        names = _backward16_names(version, dtype, d, d_v, deterministic,
+                                  k.shape[-2])
         keys_tr = traits.traits(names[0], d, d_v)
         # queries a tile: dQ's own rows, or the fused kernel's streamed
         rows = keys_tr.bc if names[1] is None else traits.traits(
@@ -431,20 +433,22 @@ def attention_statistics(q, k, v, lse, *, scale=None, causal=False, mask=None,
             call.result(l, (*call.heads, nq)))
 
 
-def _backward16_names(version, dtype, d, d_v, deterministic=True):
-    """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8;
-    None: registry.backward_version) for this GPU; (fused, None) for v7
-    and v8 where atomics are allowed (not deterministic) and the fused
-    kernel takes d, d_v (v8's: d = d_v)."""
+def _backward16_names(version, dtype, d, d_v, deterministic=True,
+                      nk=None):
+    """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8,
+    9; None: registry.backward_version, at nk keys) for this GPU; (fused,
+    None) for
+    v9, and for v7 and v8 (v8's for v9) where atomics are allowed (not
+    deterministic) and the fused kernel takes d, d_v (v8's: d = d_v)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
     cc = (9, 0) if simulator else launch.device_cc()  # refused later
     kind = "bf16" if dtype == "bfloat16" else "f16"
     if version is None:
-        # v8 where it runs, else v7; each with its fused kernel where
-        # atomics are allowed
-        version = registry.backward_version(dtype, d, d_v, cc)
+        # v9 where it runs (d = d_v), else v8, else v7; the fused
+        # kernels where atomics are allowed
+        version = registry.backward_version(dtype, d, d_v, cc, nk)
     elif isinstance(version, bool) or \
             version not in registry.BACKWARD_VERSIONS:
         raise ValueError(f"version: expected one of "
@@ -460,14 +464,14 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True):
         if not spec.takes(d, d_v):
             raise ValueError(
                 f"version: backward v{version} is built for head dims "
-                f"{spec.head_dims}, got d={d}, d_v={d_v} (pass None for "
-                f"the best that takes them)")
-    fused = f"backward_v{version}_fused_{kind}"
-    # v8's fused kernel is run at d = d_v only (mixed head dims are not
-    # among its GPU tests): there its two kernels, deterministic
-    if version in (7, 8) and not deterministic and \
-            registry.get(fused).takes(d, d_v) and \
-            (version == 7 or d == d_v):
+                f"{spec.head_dims}"
+                f"{' with d = d_v' if spec.same_dims else ''}, got d={d}, "
+                f"d_v={d_v} (pass None for the best that takes them)")
+    # where atomics are allowed: v7's and v8's fused kernels (v9's
+    # additions in any order are v8's fused kernel)
+    fused = f"backward_v{min(version, 8)}_fused_{kind}"
+    if version in (7, 8, 9) and not deterministic and \
+            registry.get(fused).takes(d, d_v):
         return fused, None
     return registry.backward_names(version, kind)
 
@@ -528,24 +532,37 @@ def _backward16(q, k, v, o, lse, do, d, d_v, dtype, options, names,
 
 def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
     """_backward16 by a fused kernel: dK, dV as 16-bit pairs per K/V
-    head, tau dS K added to a zeroed float32 dQ, then rounded once to q's
-    dtype."""
+    head, tau dS K added to a zeroed float32 dQ (in turn, by the counts
+    of an ordered kernel), then rounded once to q's dtype."""
     bh, nq, nk = call.bh, call.nq, call.nk
     (dk, dk_k), (dv, dv_k) = (
         (out, _pairs(view)) for out, view in (
             call.empty(shape, dtype) for shape in (
                 (call.bh_kv, nk, d), (call.bh_kv, nk, d_v))))
     dq32 = call.arrays.zeros((bh, nq, d))
+    counts = [call.arrays.counts(_count_shape(keys_tr, bh, nq))] \
+        if _ordered(keys_tr.name) else []
     if bh and nq and nk:
         kernel(keys_tr.name, d, d_v)[
             launch_grid(keys_tr, nq, nk, call.bh_kv, call.args[0],
                         keys=True),
             keys_tr.threads, call.stream](*arrays, dk_k, dv_k, dq32,
-                                          *call.args)
+                                          *counts, *call.args)
     dq32 = call.result(dq32, (*call.heads, nq, d))
     return (call.arrays.narrow(dq32, q),
             call.result(dk, (*k.shape[:-2], nk, d)),
             call.result(dv, (*v.shape[:-2], nk, d_v)))
+
+
+def _ordered(name):
+    """Whether kernel `name` adds to dQ in turn (it takes the counts)."""
+    return registry.get(name).args == "backward16_ordered_tma"
+
+
+def _count_shape(keys_tr, bh, nq):
+    """The ordered kernel's counts: one per query head and tile of the
+    queries it streams."""
+    return bh, -(-nq // keys_tr.bc)
 
 
 def _check_saved16(o, lse, do, q, dtype, d_v):
@@ -1040,6 +1057,7 @@ class _BackwardPlan:
         import torch
 
         self.fused = names[1] is None
+        self.ordered = self.fused and _ordered(names[0])
         self._scratch = {}  # stream -> (D, the rows' statistics)
         self._capturing = capture_reader()
         dkv_tr, dq_tr = (traits.traits(n or names[0], d, d_v)
@@ -1072,12 +1090,14 @@ class _BackwardPlan:
                   bits[2].view(call.bh_kv, nk, d_v),
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
+        self.counts = _count_shape(dkv_tr, bh, nq) if self.ordered else None
         grads = self._grads(q)
         dq, dk, dv = (self._kernel_view(g, shape) for g, shape in zip(
             grads, self.views))
-        if self.fused:  # dQ float32, as it is
+        if self.fused:  # dQ float32, as it is (and the counts, ordered)
             self.dkv = kernel(names[0], d, d_v).pack(
-                *inputs, dk, dv, grads[0].view(self.views[0]), *call.args)
+                *inputs, dk, dv, grads[0].view(self.views[0]), *grads[3:],
+                *call.args)
             return
         self.dkv = kernel(names[0], d, d_v).pack(*inputs, dk, dv,
                                                  *call.args)
@@ -1115,18 +1135,28 @@ class _BackwardPlan:
 
     def _grads(self, q):
         """Fresh dq, dk, dv as the kernels write them (`grads16`); dq
-        float32 zeros for the fused kernel, which adds to it."""
+        float32 zeros for the fused kernel, which adds to it, and after
+        them the ordered kernel's int32 counts, zeros from the same
+        allocation."""
         import torch
 
         # the fused kernel's dQ is an accumulator: zeros, never poisoned
-        grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
-                             device=self.device)] if self.fused else []
+        grads, counts = [], []
+        if self.ordered:  # one allocation and fill for dQ and the counts
+            size = math.prod(self.shapes[0])
+            both = torch.zeros(size + math.prod(self.counts),
+                               dtype=torch.float32, device=self.device)
+            grads = [both[:size].view(self.shapes[0])]
+            counts = [both[size:].view(torch.int32).view(self.counts)]
+        elif self.fused:
+            grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
+                                 device=self.device)]
         empty = [torch.empty(s, dtype=self.grad_dtype, device=self.device)
                  for s in self.shapes[len(grads):]]
         if _poisoned():
             for g in empty:
                 g.fill_(float("nan"))
-        return grads + empty
+        return grads + empty + counts
 
     def __call__(self, q, k, v, o, lse, do, seed):
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
@@ -1136,7 +1166,7 @@ class _BackwardPlan:
         if scratch is None:
             scratch = self._new_scratch(stream, q, fresh)
         delta, stats = scratch
-        dq, dk, dv = self._grads(q)
+        dq, dk, dv, *counts = self._grads(q)
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
@@ -1144,7 +1174,7 @@ class _BackwardPlan:
             self.statistics.point(arg, x.data_ptr())
         self.statistics.launch(self.row_grid, device.THREADS, stream)
         inputs = (q, k, v, do, stats, delta)
-        launches = (((self.dkv, (dk, dv, dq)),) if self.fused else
+        launches = (((self.dkv, (dk, dv, dq, *counts)),) if self.fused else
                     ((self.dkv, (dk, dv)), (self.dq, (dq,))))
         for packed, outs in launches:
             for arg, x in enumerate((*inputs, *outs)):

@@ -64,6 +64,8 @@ class Kernel(NamedTuple):
     # grid is order.grid's (heads together, ranks, groups), not (ranks,
     # heads)
     placed: bool = False
+    # built for d = d_v only (its tests cover no other)
+    same_dims: bool = False
 
     def runs_on(self, cc):
         """Whether a device of compute capability cc runs this kernel."""
@@ -80,7 +82,8 @@ class Kernel(NamedTuple):
     def takes(self, d, d_v):
         """Whether it is built for head dims d, d_v."""
         return (d in self.head_dims and d_v in self.head_dims
-                and max(d, d_v) <= self.max_dim)
+                and max(d, d_v) <= self.max_dim
+                and (d == d_v or not self.same_dims))
 
 
 def _fixed(kernel):
@@ -179,7 +182,18 @@ KERNELS = (
              max_registers=backward_v8.max_registers, max_cc=(9, 0),
              shared=functools.partial(backward_v8.shared_bytes, fused=True),
              derived=backward_v8.derived_fused, grads16=True,
-             placed=True)
+             placed=True, same_dims=True)
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # backward version 9: that kernel with each dQ tile's additions in
+    # the order of the key blocks, the same bits every run
+    *(Kernel(f"backward_v9_fused_{kind}",
+             functools.partial(backward_v8.make_ordered, kind=kind),
+             "backward16_ordered_tma", (dtype,),
+             backward_v8.FUSED_HEAD_DIMS, (9, 0), backward_v8.threads(),
+             max_registers=backward_v8.max_registers, max_cc=(9, 0),
+             shared=functools.partial(backward_v8.shared_bytes, fused=True),
+             derived=backward_v8.derived_ordered, grads16=True,
+             placed=True, same_dims=True)
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # element-wise helpers around the attention kernels
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
@@ -264,24 +278,35 @@ def best_version(dtype, d, d_v, cc, simulator=False):
     return None
 
 
-def backward_version(dtype, d, d_v, cc):
-    """The 16-bit backward `version=None` runs: 8 (v7's kernels with a
-    warp-specialized dK/dV) on Hopper where it takes d, d_v, else 7
-    (wgmma) there, 5 (mma.sync) from compute capability 8.0 on; None where
-    none runs (the caller widens to float32)."""
+def backward_version(dtype, d, d_v, cc, nk=None):
+    """The 16-bit backward `version=None` runs at nk keys: 9 (one
+    warp-specialized pass, dQ's additions in a fixed order) on Hopper at
+    d = d_v from ORDERED_MIN_KEYS keys on (or nk None), else 8 (v7's
+    kernels with a warp-specialized dK/dV) where it takes d, d_v, else 7
+    (wgmma) there, 5 (mma.sync) from compute capability 8.0 on; None
+    where none runs (the caller widens to float32)."""
     for version in BACKWARD_VERSIONS:
-        spec = BY_NAME[f"backward_v{version}_dkv_bf16"]
-        if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc):
+        spec = BY_NAME[backward_names(version, "bf16")[0]]
+        short = version == 9 and nk is not None and nk < ORDERED_MIN_KEYS
+        if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc) \
+                and not short:
             return version
     return None
 
 
-BACKWARD_VERSIONS = (8, 7, 5)  # of the 16-bit backward, newest first
+BACKWARD_VERSIONS = (9, 8, 7, 5)  # of the 16-bit backward, newest first
+# keys from which version None runs backward v9: its blocks start their
+# turns in rank order, a cost paid once a block that shorter sequences
+# do not earn back (measured on the H200: slower than v8 at 4096 keys,
+# faster at 16384; chapter 12)
+ORDERED_MIN_KEYS = 8192
 
 
 def backward_names(version, kind):
     """(dK/dV, dQ) kernel names of 16-bit backward `version` on `kind`
-    inputs: v8's dQ kernel is v7's."""
+    inputs: v8's dQ kernel is v7's; v9 is one kernel, (fused, None)."""
+    if version == 9:
+        return f"backward_v9_fused_{kind}", None
     return (f"backward_v{version}_dkv_{kind}",
             f"backward_v{min(version, 7)}_dq_{kind}")
 
@@ -340,6 +365,11 @@ def argument_types(args):
         "backward16_fused_tma": (h3, h3, h3, h3, a2, a2, int32[:, :, ::1],
                                  int32[:, :, ::1], a3, *common,
                                  uint64[::1]),
+        # and the int32 counts of the additions made to each dQ tile
+        # (backward_v8.make_ordered)
+        "backward16_ordered_tma": (h3, h3, h3, h3, a2, a2,
+                                   int32[:, :, ::1], int32[:, :, ::1], a3,
+                                   int32[:, ::1], *common, uint64[::1]),
         "combine": (a3, a2, a2, a3, a2, a2, float32),
         "row_dot": (a3, a3, a2),
         "norms": (a2, a2, a2),

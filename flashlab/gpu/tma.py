@@ -104,6 +104,23 @@ reduce_add_3d = _statement(
 bulk_commit = _statement("cp.async.bulk.commit_group;", ())
 bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;", ())
 bulk_wait = _statement("cp.async.bulk.wait_group 0;", ())
+# wait_count(at, n): spin until the uint32 at global address `at`, read
+# with acquire at the GPU's scope, equals n; then order that read before
+# this thread's later TMA operations (a proxy fence: they run in the
+# async proxy). One turn of an ordered sequence of additions: the
+# blocks before this one have made theirs
+wait_count = _statement(
+    "{\n\t.reg .pred more;\n\t.reg .b32 seen;\nCOUNT${:uid}:\n\t"
+    "ld.acquire.gpu.global.u32 seen, [$0];\n\t"
+    "setp.ne.u32 more, seen, $1;\n\t"
+    "@more bra COUNT${:uid};\n\t"
+    "fence.proxy.async.global;\n}", (U64, U32))
+# count_up(at): once this thread's bulk groups are complete (bulk_wait),
+# their writes ordered before a release at the GPU's scope that adds one
+# to the uint32 at global address `at`: the next block's turn
+count_up = _statement(
+    "fence.proxy.async.global;\n\t"
+    "red.release.gpu.global.add.u32 [$0], 1;", (U64,))
 # st_shared_f2(dst, x, y): two float32 at shared address dst (8-byte
 # aligned), kept in program order (then a proxy fence hands them to TMA)
 st_shared_f2 = _statement("st.shared.v2.f32 [$0], {$1, $2};",

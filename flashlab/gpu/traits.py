@@ -73,6 +73,7 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "backward16_dkv_tma": ("dk", "dv"),
            "backward16_fused_pairs": ("dk", "dv", "dq"),
            "backward16_fused_tma": ("dk", "dv", "dq"),
+           "backward16_ordered_tma": ("dk", "dv", "dq"),
            "combine": ("o", "m_out", "l_out"), "row_dot": ("delta",),
            "norms": ("stats",), "sums": ("m", "l"),
            "row_dot16": ("delta",), "find_bad": ("bad",),
@@ -234,6 +235,8 @@ LAYOUTS = {
     "backward_v8.make_dkv": functools.partial(_backward_ws, keys=True),
     "backward_v8.make_fused": functools.partial(_backward_ws, keys=True,
                                                 fused=True),
+    "backward_v8.make_ordered": functools.partial(_backward_ws, keys=True,
+                                                  fused=True),
 }
 
 
