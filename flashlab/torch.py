@@ -8,7 +8,7 @@ CUDA graphs capture them. CPU tensors (float32, float64) run the numba
 kernels of flashlab.cpu (the tiled numpy path where they cannot, see
 `_cpu_backend`), CUDA tensors the kernels of flashlab.gpu in place, launched
 through the driver on torch's current stream: float32 on v6 (3xTF32),
-bf16 and float16 on the tensor cores (v8 and backward v8 or v7 on
+bf16 and float16 on the tensor cores (v8 and backward v9, v8 or v7 on
 Hopper, v5 and backward_v5 elsewhere). The forward saves q, k, v, o and the row
 log-sum-exp only; the backward recomputes score tiles from them, so no
 (Nq, Nk) tensor lives between the two passes. The backward is itself not

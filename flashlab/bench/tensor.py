@@ -3,7 +3,7 @@
 Per (d, N, causal), B=2, H=8: bf16 forward of v5 (and v7, v8 on Hopper)
 against torch's flash (the baseline) and cuDNN backends (rows left out
 where a build has no cuDNN attention); the bf16 backward of flashlab.torch
-(backward v8 or v7 on Hopper, backward_v5 elsewhere) against torch's flash
+(backward v9, v8 or v7 on Hopper, backward_v5 elsewhere) against torch's flash
 backward; float32 forward of v6 at 3xTF32 and at tf32, and of v3,
 against torch's memory-efficient kernel.
 Writes tensor.csv (--backward-only: tensor_backward.csv).

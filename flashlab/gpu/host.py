@@ -290,8 +290,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     d = d_v) run their fused kernels, which add each tile pair's dQ to a
     float32 dQ by atomics (v8's by TMA's reductions; five products a tile
     pair instead of seven; the order of the additions, so dQ's last bits,
-    vary from run to run); elsewhere it changes nothing. With l (float32, lse's shape), lse holds the rows'
-    max m and l their sum, as `tiled.attention_backward` takes them.
+    vary from run to run); elsewhere it changes nothing. With l (float32,
+    lse's shape), lse holds the rows' max m and l their sum, as
+    `tiled.attention_backward` takes them.
     """
     deterministic = check_flag("deterministic", deterministic)
     _check_norms(l, lse)
