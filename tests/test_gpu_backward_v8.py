@@ -147,29 +147,31 @@ def test_backward_v8_against_float64(rng, d, version):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_backward_v9_is_the_default(rng, d):
-    # version None runs v9 at d = d_v (the same bits as asking for it),
-    # v8 at mixed head dims; under deterministic=False v8's fused kernel
-    # (within a unit of v9's: it takes the query tiles in the other
-    # order, `next_item_down`)
+def test_backward_v9_is_the_default_from_its_keys(rng, d):
+    # version None runs v9 at d = d_v from registry.ORDERED_MIN_KEYS keys
+    # on (the same bits as asking for it), v8 below and at mixed head
+    # dims; under deterministic=False v8's fused kernel: dK and dV v8's
+    # bits, all three within a unit of v9's (it takes the query tiles in
+    # the other order, `next_item_down`)
     import torch
 
-    q, k, v, do, kw = inputs(rng, dict(causal=True), 300, 300, "bfloat16",
-                             d)
-    o, lse = gpu.attention(q, k, v, return_lse=True)
-    runs = {}
-    for flag in (True, False):
-        want = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
-                                      version=9, deterministic=flag)
-        got = gpu.attention_backward(q, k, v, o, lse, do, causal=True,
-                                     deterministic=flag)
-        assert all(torch.equal(g, w) for g, w in zip(got[1:], want[1:]))
-        if flag:
-            assert torch.equal(got[0], want[0])
-        runs[flag] = got
-    for g, w in zip(*runs.values()):
-        assert within_a_unit(g, w)
-    q, k, v, do, kw = inputs(rng, dict(), 200, 200, "bfloat16", d, 192 - d)
+    from flashlab.gpu import registry
+
+    long = registry.ORDERED_MIN_KEYS
+    for nk, version in ((300, 8), (long, 9)):
+        q, k, v, do, kw = inputs(rng, dict(), 100, nk, "bfloat16", d)
+        o, lse = gpu.attention(q, k, v, return_lse=True)
+        want = gpu.attention_backward(q, k, v, o, lse, do, version=version)
+        got = gpu.attention_backward(q, k, v, o, lse, do)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), nk
+        fused = gpu.attention_backward(q, k, v, o, lse, do,
+                                       deterministic=False)
+        for g, w in zip(fused, want):
+            assert within_a_unit(g, w), nk
+        if version == 8:
+            assert all(torch.equal(g, w) for g, w in zip(fused[1:],
+                                                          want[1:]))
+    q, k, v, do, kw = inputs(rng, dict(), 200, long, "bfloat16", d, 192 - d)
     o, lse = gpu.attention(q, k, v, return_lse=True)
     got = gpu.attention_backward(q, k, v, o, lse, do)
     want = gpu.attention_backward(q, k, v, o, lse, do, version=8)
