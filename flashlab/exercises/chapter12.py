@@ -948,3 +948,98 @@ register("dispatch_finish", Exercise(
       _dispatch_sorted),
      ("sum / sms is the even share, a bound: the answer is when the last "
       "SM finishes", _dispatch_even_share))))
+
+# ------------------------------------------------------------- dq_turn
+
+
+def _cases_dq_turn(rng):
+    out = []
+    for name, nq, nk, causal, window, kv in (
+            ("no rule: every block adds, rank by rank", 300, 1000, False,
+             None, None),
+            ("causal: the blocks up to the diagonal", 1000, 1000, True,
+             None, None),
+            ("causal from the bottom right, fewer queries than keys", 200,
+             900, "bottom_right", None, None),
+            ("a window of 300 keys back: the run starts past rank 0", 1200,
+             1200, False, (300, 40), None),
+            ("padding: 700 valid keys of 1024", 512, 1024, False, None,
+             700)):
+        rules = masks.rules(causal, window, None, None, (), nq, nk).index()
+        kv_len = nk if kv is None else kv
+        bk, bq = 128, 64  # backward v9's key blocks and query tiles
+        for _ in range(4):
+            i0 = int(rng.integers(0, -(-nq // bq))) * bq
+            i1 = min(i0 + bq, nq)
+            first, last = masks.tile_range(i0, i1, nk, bk, rules, kv_len)
+            blocks = -(-nk // bk)
+            for rank in (first, last, last + 1, first - 1,
+                         int(rng.integers(0, blocks))):
+                if not 0 <= rank < blocks:  # past either end: any block
+                    rank = int(rng.integers(0, blocks))
+                want = rank - first if first <= rank <= last else -1
+                args = (rank, i0, i1, nk, bk, bool(rules.causal),
+                        int(rules.offset), int(rules.left),
+                        int(rules.right), kv_len)
+                out.append(Case(f"{name} (rank {rank}, rows {i0}..{i1 - 1})",
+                                args, want))
+    return out
+
+
+def dq_turn(rank, i0, i1, nk, bk, causal, offset, left, right, kv_len):
+    """Chapter 12: backward v9's turn of key block `rank` (keys rank bk ..
+    rank bk + bk - 1) at the dQ tile of query rows i0..i1-1: how many key
+    blocks add to that tile before it, or -1 where it adds nothing.
+
+    Key j is allowed for row i where j <= i + offset (causal), j >= i +
+    offset - left and j <= i + offset + right (a window side, where it
+    is >= 0) and j < kv_len. The blocks with an allowed pair are a run
+    of ranks: from the one holding the first row's lowest allowed key to
+    the one holding the last row's highest, and they add in rank order.
+    """
+    hi = min(nk, kv_len) - 1  # the highest key any row may see
+    if causal:
+        hi = min(hi, i1 - 1 + offset)
+    if right >= 0:
+        hi = min(hi, i1 - 1 + offset + right)
+    lo = 0  # the lowest
+    if left >= 0:
+        lo = max(lo, i0 + offset - left)
+    first, last = lo // bk, hi // bk  # floors: hi may be below 0
+    if lo >= nk or not first <= rank <= last:
+        return -1
+    return rank - first
+
+
+def _turn_by_rank(rank, i0, i1, nk, bk, causal, offset, left, right,
+                  kv_len):
+    turn = dq_turn(rank, i0, i1, nk, bk, causal, offset, left, right,
+                   kv_len)
+    return rank if turn >= 0 else -1
+
+
+def _turn_first_row(rank, i0, i1, nk, bk, causal, offset, left, right,
+                    kv_len):
+    return dq_turn(rank, i0, i0 + 1, nk, bk, causal, offset, left, right,
+                   kv_len) if causal else dq_turn(
+        rank, i0, i1, nk, bk, causal, offset, left, right, kv_len)
+
+
+def _turn_always(rank, i0, i1, nk, bk, causal, offset, left, right,
+                 kv_len):
+    lo = max(0, i0 + offset - left) if left >= 0 else 0
+    return rank - lo // bk
+
+
+register("dq_turn", Exercise(
+    12, "dq_turn(rank, i0, i1, nk, bk, causal, offset, left, right, "
+    "kv_len) -> int: how many key blocks add to the dQ tile of rows "
+    "i0..i1-1 before block `rank` does in backward v9 (its count's value "
+    "when the block's turn comes), -1 where the block adds nothing",
+    _cases_dq_turn, dq_turn,
+    (("the blocks that add to a tile need not start at rank 0: a window "
+      "leaves out the keys below the first row's lowest", _turn_by_rank),
+     ("under a causal mask the last row reaches the highest key: the run "
+      "ends at the block holding key i1 - 1 + offset", _turn_first_row),
+     ("a block outside the run adds nothing: it takes no turn (-1)",
+      _turn_always))))
