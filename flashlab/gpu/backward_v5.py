@@ -135,6 +135,22 @@ def ds_of_columns(sf, pf, tiles, tau, c0, sh, zn, dl, ok, gone):
             pf[n, x] = p * (pf[n, x] * z - dl[c])
 
 
+@inline
+def ds_of_full_columns(sf, pf, tiles, tau, c0, sh, zn, dl):
+    """ds_of_columns of a tile whose every pair is allowed and none
+    dropped, to the same bits: no bit is tested, and each column's row
+    terms are read once, at an unsigned index (a signed one is checked
+    for wrapping on every read)."""
+    for n in range(tiles):
+        for y in range(2):  # the lane's two columns of n-tile n
+            c = uint32(c0) + uint32(8 * n + y)
+            shift, norm, dlt = sh[c], zn[c], dl[c]
+            for x in range(y, 4, 2):  # keys g and g + 8
+                p = p_of(sf[n, x], tau, shift)
+                sf[n, x] = p * norm
+                pf[n, x] = p * (pf[n, x] * norm - dlt)
+
+
 def _load16(unpack):
     """Element c of row i of x[b], x holding 16-bit values as int16 bits,
     widened to float32 by the kind's `unpack` (exact)."""

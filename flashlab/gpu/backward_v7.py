@@ -45,7 +45,12 @@ chapter 12.
 from numba import cuda, float32, int16, int32, int64, uint32, uint64
 
 from flashlab import fragments
-from flashlab.gpu.backward_v5 import ds_of_columns, ds_of_rows, row_terms
+from flashlab.gpu.backward_v5 import (
+    ds_of_columns,
+    ds_of_full_columns,
+    ds_of_rows,
+    row_terms,
+)
 from flashlab.gpu.device import F0, inline, tile_full, tile_skipped
 from flashlab.gpu.forward_v7 import (
     ALIGN,
@@ -324,6 +329,12 @@ def make_scores_t(D, D_V, kind="bf16"):
         # and dropped comes first, as bits
         full = not rules.use_mask and j1 - j0 == BK and \
             i1 - i0 == BQ and tile_full(i0, i1, j0, j1, rules, kv)
+        if full and not rules.use_dropout:
+            # most tiles: testing each pair's bits, and reading its
+            # column's terms under that test, took a third of the
+            # consumers' instructions (chapter 12)
+            ds_of_full_columns(sf, pf, NS, tau, tq, sh, zn, dl)
+            return
         ok = int64(-1) if full else allowed_bits_of(
             b, key, i0, nq, nk, rules, kv_len, mask, NS, True)
         gone = dropped_bits_of(b, key, i0, rules, NS, True) \
