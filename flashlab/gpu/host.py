@@ -284,8 +284,8 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     kernels with a warp-specialized dK/dV), 7 (`backward_v7`, wgmma; all
     three Hopper only, gradients in the inputs' dtype, rounded once from
     float32) or 5 (`backward_v5`, mma.sync; float32 gradients), None for
-    the newest the GPU runs at these head dims (v9 from
-    registry.ORDERED_MIN_KEYS keys on, v8 below). Deterministic by default: the
+    the newest the GPU runs at these head dims (v9 where
+    registry.ordered_pays, v8 elsewhere). Deterministic by default: the
     same bits every run. deterministic=False lets v7, v8 and v9 (v8's at
     d = d_v) run their fused kernels, which add each tile pair's dQ to a
     float32 dQ by atomics (v8's by TMA's reductions; five products a tile
@@ -323,7 +323,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
                 f"float32 copies")
         names = _backward16_names(version, dtype, d, d_v, deterministic,
-                                  k.shape[-2])
+                                  k.shape[-2], math.prod(k.shape[:-2]))
         keys_tr = traits.traits(names[0], d, d_v)
         # queries a tile: dQ's own rows, or the fused kernel's streamed
         rows = keys_tr.bc if names[1] is None else traits.traits(
@@ -435,12 +435,12 @@ def attention_statistics(q, k, v, lse, *, scale=None, causal=False, mask=None,
 
 
 def _backward16_names(version, dtype, d, d_v, deterministic=True,
-                      nk=None):
+                      nk=None, heads=None):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8,
-    9; None: registry.backward_version, at nk keys) for this GPU; (fused,
-    None) for
-    v9, and for v7 and v8 (v8's for v9) where atomics are allowed (not
-    deterministic) and the fused kernel takes d, d_v (v8's: d = d_v)."""
+    9; None: registry.backward_version, at nk keys in `heads` K/V heads)
+    for this GPU; (fused, None) for v9, and for v7 and v8 (v8's for v9)
+    where atomics are allowed (not deterministic) and the fused kernel
+    takes d, d_v (v8's: d = d_v)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -449,7 +449,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True,
     if version is None:
         # v9 where it runs (d = d_v), else v8, else v7; the fused
         # kernels where atomics are allowed
-        version = registry.backward_version(dtype, d, d_v, cc, nk)
+        version = registry.backward_version(dtype, d, d_v, cc, nk, heads)
     elif isinstance(version, bool) or \
             version not in registry.BACKWARD_VERSIONS:
         raise ValueError(f"version: expected one of "

@@ -278,28 +278,44 @@ def best_version(dtype, d, d_v, cc, simulator=False):
     return None
 
 
-def backward_version(dtype, d, d_v, cc, nk=None):
-    """The 16-bit backward `version=None` runs at nk keys: 9 (one
-    warp-specialized pass, dQ's additions in a fixed order) on Hopper at
-    d = d_v from ORDERED_MIN_KEYS keys on (or nk None), else 8 (v7's
-    kernels with a warp-specialized dK/dV) where it takes d, d_v, else 7
-    (wgmma) there, 5 (mma.sync) from compute capability 8.0 on; None
-    where none runs (the caller widens to float32)."""
+def backward_version(dtype, d, d_v, cc, nk=None, heads=None):
+    """The 16-bit backward `version=None` runs at nk keys in `heads` K/V
+    heads (batch times heads): 9 (one warp-specialized pass, dQ's
+    additions in a fixed order) on Hopper at d = d_v where
+    `ordered_pays`, else 8 (v7's kernels with a warp-specialized dK/dV)
+    where it takes d, d_v, else 7 (wgmma) there, 5 (mma.sync) from
+    compute capability 8.0 on; None where none runs (the caller widens
+    to float32)."""
     for version in BACKWARD_VERSIONS:
         spec = BY_NAME[backward_names(version, "bf16")[0]]
-        short = version == 9 and nk is not None and nk < ORDERED_MIN_KEYS
+        skip = version == 9 and not ordered_pays(nk, heads)
         if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc) \
-                and not short:
+                and not skip:
             return version
     return None
 
 
+def ordered_pays(nk, heads=None):
+    """Whether backward v9 is the default at nk keys in `heads` K/V heads
+    (unknown: None): from ORDERED_MIN_KEYS keys on, or from
+    ORDERED_WIDE_KEYS on where the heads hold ORDERED_WIDE_ROWS key rows
+    in all."""
+    if nk is None or nk >= ORDERED_MIN_KEYS:
+        return True
+    return heads is not None and nk >= ORDERED_WIDE_KEYS and \
+        heads * nk >= ORDERED_WIDE_ROWS
+
+
 BACKWARD_VERSIONS = (9, 8, 7, 5)  # of the 16-bit backward, newest first
-# keys from which version None runs backward v9: its blocks start their
-# turns in rank order, a cost paid once a block that shorter sequences
-# do not earn back (measured on the H200: slower than v8 at 4096 keys,
-# faster at 16384; chapter 12)
+# where version None runs backward v9: its blocks start their turns in
+# rank order, a chain paid once for each head's key blocks, which few
+# and short heads do not earn back. Measured on the H200 (chapter 12):
+# slower than v8 at B2 H8 with 4096 keys and at B16 H12 with 1024,
+# faster from 8192 keys, and at 2048 and 4096 keys in 128 heads (2048
+# and 4096 blocks of 128 keys, many waves of them)
 ORDERED_MIN_KEYS = 8192
+ORDERED_WIDE_KEYS = 2048
+ORDERED_WIDE_ROWS = 2**18  # key rows in all heads: 2048 blocks of 128
 
 
 def backward_names(version, kind):
