@@ -172,8 +172,8 @@ def test_backward_v8_is_registered_with_its_maps_derived():
                         (registry.ORDERED_MIN_KEYS - 1, 8)):
         assert registry.backward_version("bfloat16", 128, 128, (9, 0),
                                          nk) == version
-    # or from ORDERED_WIDE_KEYS on in heads holding ORDERED_WIDE_ROWS key
-    # rows in all; heads unknown: by keys alone
+    # or from ORDERED_WIDE_KEYS on where query heads x keys reach
+    # ORDERED_WIDE_ROWS; heads unknown: by keys alone
     wide = registry.ORDERED_WIDE_KEYS
     many = registry.ORDERED_WIDE_ROWS // wide
     for nk, heads, version in ((wide, many, 9), (wide, many - 1, 8),

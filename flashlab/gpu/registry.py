@@ -279,8 +279,8 @@ def best_version(dtype, d, d_v, cc, simulator=False):
 
 
 def backward_version(dtype, d, d_v, cc, nk=None, heads=None):
-    """The 16-bit backward `version=None` runs at nk keys in `heads` K/V
-    heads (batch times heads): 9 (one warp-specialized pass, dQ's
+    """The 16-bit backward `version=None` runs at nk keys and `heads`
+    query heads (batch times heads): 9 (one warp-specialized pass, dQ's
     additions in a fixed order) on Hopper at d = d_v where
     `ordered_pays`, else 8 (v7's kernels with a warp-specialized dK/dV)
     where it takes d, d_v, else 7 (wgmma) there, 5 (mma.sync) from
@@ -296,10 +296,9 @@ def backward_version(dtype, d, d_v, cc, nk=None, heads=None):
 
 
 def ordered_pays(nk, heads=None):
-    """Whether backward v9 is the default at nk keys in `heads` K/V heads
-    (unknown: None): from ORDERED_MIN_KEYS keys on, or from
-    ORDERED_WIDE_KEYS on where the heads hold ORDERED_WIDE_ROWS key rows
-    in all."""
+    """Whether backward v9 is the default at nk keys and `heads` query
+    heads (unknown: None): from ORDERED_MIN_KEYS keys on, or from
+    ORDERED_WIDE_KEYS on where heads x nk is ORDERED_WIDE_ROWS or more."""
     if nk is None or nk >= ORDERED_MIN_KEYS:
         return True
     return heads is not None and nk >= ORDERED_WIDE_KEYS and \
@@ -311,11 +310,11 @@ BACKWARD_VERSIONS = (9, 8, 7, 5)  # of the 16-bit backward, newest first
 # rank order, a chain paid once for each head's key blocks, which few
 # and short heads do not earn back. Measured on the H200 (chapter 12):
 # slower than v8 at B2 H8 with 4096 keys and at B16 H12 with 1024,
-# faster from 8192 keys, and at 2048 and 4096 keys in 128 heads (2048
-# and 4096 blocks of 128 keys, many waves of them)
+# faster from 8192 keys, and at 2048 and 4096 keys in 64 and 128 query
+# heads (many waves of key blocks, each head's chain paid once)
 ORDERED_MIN_KEYS = 8192
 ORDERED_WIDE_KEYS = 2048
-ORDERED_WIDE_ROWS = 2**18  # key rows in all heads: 2048 blocks of 128
+ORDERED_WIDE_ROWS = 2**18  # query heads x keys: 128 heads of 2048
 
 
 def backward_names(version, kind):
