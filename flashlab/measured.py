@@ -8,7 +8,9 @@ one; launch_h200 with
 hopper_backward_h200, hopper_fp8_h200 and hopper_ladder_h200:
 `--hopper`; hopper_fused_order_h200 with `bench.hopper.backward_rows`
 run twice for each of two builds; hopper_full_run_h200 with the forwards
-run twice for each of two builds; hopper_stalls with ncu's source
+run twice for each of two builds; hopper_whole_tiles_h200 with the
+backwards of v8, v8's fused kernel and v9 the same way, by
+`bench.timing.gpu_time`; hopper_stalls with ncu's source
 counters, reduced by `python -m flashlab.stalls`; hopper_trials_h200
 the one-off runs of builds that were not kept, as its notes say;
 hopper_order_h200 the causal kernels with the heads started together
@@ -36,7 +38,8 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "hopper_backward_h200.csv", "hopper_fp8_h200.csv",
          "hopper_fused_order_h200.csv",
          "hopper_profile_h200.txt", "hopper_stalls_h200.csv",
-         "hopper_full_run_h200.csv", "hopper_trials_h200.json",
+         "hopper_full_run_h200.csv", "hopper_whole_tiles_h200.csv",
+         "hopper_trials_h200.json",
          "hopper_ladder_h200.json", "hopper_order_h200.json",
          "hopper_epilogue_h200.json", "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
@@ -66,7 +69,9 @@ def rows(name):
     out = []
     for r in csv.DictReader(io.StringIO(text(name))):
         r["N"], r["ms"] = int(r["N"]), float(r["ms"])
-        r["tflops"], r["vs_torch"] = float(r["tflops"]), float(r["vs_torch"])
+        for key in ("tflops", "vs_torch"):  # where the table has them
+            if key in r:
+                r[key] = float(r[key])
         r["causal"] = r["causal"] == "True"
         out.append(r)
     return out

@@ -23,7 +23,7 @@ many a block has):
   and runs dQ_i = dS K_j from it (dS^T read MN-major as the A operand),
   adding tau dQ_i to a float32 dQ by vector reductions: five products a
   tile pair, and dQ's last bits vary with the order of the additions.
-  Measured on the H200 it is no faster than the two kernels (0.95 to
+  Measured on the H200 it is no faster than the two kernels (0.94 to
   1.05 times, hopper_backward_h200.csv): the warps that issue the
   reductions wait for them.
 
