@@ -164,28 +164,44 @@ def tile_skipped(i0, i1, j0, j1, r, kv_len):
     return j0 >= kv_len
 
 
-def tile_range(i0, i1, nk, bc, r, kv_len):
-    """(first, last): the tiles of bc keys that rows i0..i1-1 visit, the
-    run on which tile_skipped is false; (n_tiles, n_tiles - 1) if none.
-
-    Each bound of tile_skipped holds for every tile up to one or from
-    one, so the run's ends follow from the bounds in a few integer steps
-    instead of a call per skipped tile (a causal block of 16K keys would
-    otherwise test, on average, half of its 128 tiles).
-    """
-    n_tiles = (nk + bc - 1) // bc
-    hi = min(nk, kv_len) - 1  # tile t is visited when t bc <= hi ...
+def last_tile(i1, nk, bc, r, kv_len):
+    """The last tile of bc keys that rows up to i1 - 1 may visit (-1 if
+    none): the upper end of tile_range, the same for rows from any i0."""
+    hi = min(nk, kv_len) - 1  # tile t is visited when t bc <= hi
     if r.causal:
         hi = min(hi, i1 - 1 + r.offset)
     if r.right >= 0:
         hi = min(hi, i1 - 1 + r.offset + r.right)
-    lo = 0  # ... and its last key, min(t bc + bc, nk) - 1, is >= lo
-    if r.left >= 0:
-        lo = max(lo, i0 + r.offset - r.left)
-    first, last = lo // bc, hi // bc  # floor: hi may be below 0
-    if lo >= nk or first > last:
-        return n_tiles, n_tiles - 1
-    return first, last
+    return max(hi, -1) // bc
+
+
+def tile_range_of(last_tile):
+    """tile_range over `last_tile` (the function above, or its device
+    function: the kernels compile this same code)."""
+
+    def tile_range(i0, i1, nk, bc, r, kv_len):
+        """(first, last): the tiles of bc keys that rows i0..i1-1 visit,
+        the run on which tile_skipped is false; (n_tiles, n_tiles - 1)
+        if none.
+
+        Each bound of tile_skipped holds for every tile up to one or from
+        one, so the run's ends follow from the bounds in a few integer
+        steps instead of a call per skipped tile (a causal block of 16K
+        keys would otherwise test, on average, half of its 128 tiles).
+        """
+        n_tiles = (nk + bc - 1) // bc
+        lo = 0  # tile t's last key, min(t bc + bc, nk) - 1, is >= lo
+        if r.left >= 0:
+            lo = max(lo, i0 + r.offset - r.left)
+        first, last = lo // bc, last_tile(i1, nk, bc, r, kv_len)
+        if lo >= nk or first > last:
+            return n_tiles, n_tiles - 1
+        return first, last
+
+    return tile_range
+
+
+tile_range = tile_range_of(last_tile)
 
 
 def tile_full(i0, i1, j0, j1, r, kv_len):

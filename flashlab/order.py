@@ -92,6 +92,35 @@ def block_tiles(nq, nk, bq, bk, rules, keys=False):
     return np.cumsum(ends)[:-1]
 
 
+def warpgroup_visits(nq, nk, bq, bk, rules, part=64):
+    """{"block": (visits, masked), "warpgroup": (visits, masked)}: the
+    tile visits of every warpgroup (`part` rows of a query block of bq
+    rows, key tiles of bk), and how many of them need a mask, when each
+    visits all of its block's tiles and when each stops at
+    masks.last_tile of its own rows (forward v8). A tile needs no mask
+    when it is whole and tile_full over the rows asked about: the
+    block's or the warpgroup's. Every key valid."""
+    counts = {"block": [0, 0], "warpgroup": [0, 0]}
+
+    def count(way, i0, i1, j0, j1):
+        counts[way][0] += 1
+        counts[way][1] += not (j1 - j0 == bk and masks.tile_full(
+            i0, i1, j0, j1, rules, nk))
+
+    for i0 in range(0, nq, bq):
+        i1 = min(i0 + bq, nq)
+        first, last = masks.tile_range(i0, i1, nk, bk, rules, nk)
+        for r0 in range(i0, i0 + bq, part):
+            r1 = min(r0 + part, nq)
+            own = min(last, masks.last_tile(r1, nk, bk, rules, nk))
+            for t in range(first, last + 1):
+                j0, j1 = t * bk, min(t * bk + bk, nk)
+                count("block", i0, i1, j0, j1)
+                if r0 < r1 and t <= own:
+                    count("warpgroup", r0, r1, j0, j1)
+    return {way: tuple(c) for way, c in counts.items()}
+
+
 def together(tiles, heads, sms, overhead=OVERHEAD):
     """Heads to start together (a divisor of heads): the fewest whose
     modeled time (blocks of `tiles` in rank order, `overhead` tiles each

@@ -1164,7 +1164,7 @@ def v8_barrier_names():
     return out
 
 
-def v8_program(tiles=4, d=64, d_v=None):
+def v8_program(tiles=4, d=64, d_v=None, stops=None):
     """Chapter 12: {role: [Step, ...]} of forward_v8 over `tiles` K/V
     tiles at head dims d, d_v: what thread 0 of the producer warpgroup
     and each consumer warpgroup do, in order, read from the kernel's
@@ -1172,6 +1172,8 @@ def v8_program(tiles=4, d=64, d_v=None):
     barrier numbers, stages and parities) on the host; products, waits
     and the softmax appear by name. A load's bytes are its box's (64
     columns of Br rows for Q, Bc rows for K and V; forward_v8.tensor_maps).
+    stops: {warpgroup: the last tile its rows reach} (the kernel's
+    own_last, as under a causal mask), every tile where not given.
     """
     import ast
     import inspect
@@ -1284,8 +1286,10 @@ def v8_program(tiles=4, d=64, d_v=None):
                   for g in range(v8.groups(d, d_v))})
     out = {}
     for role, t in roles.items():
+        own = (stops or {}).get(t // 128 - 1, tiles - 1)
         ns = {**names, "t": t, "w": t // 32, "lane": 0, "first": 0,
-              "last": tiles - 1, "bars": 0, "maps_at": 0, "q_desc": 0,
+              "last": tiles - 1, "own_last": own, "bars": 0,
+              "maps_at": 0, "q_desc": 0,
               "k_desc": 0, "v_desc": 0, "k_next": 1, "v_next": 1,
               # the block placed at head 0, rank 0 of one head
               "block_place": lambda *grid: (0, 0), "cuda": _BLOCK,

@@ -4,6 +4,8 @@ compute-sanitizer on a GPU machine, e.g.
     compute-sanitizer --tool memcheck python tests/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/sanitize_kernels.py
     compute-sanitizer --tool synccheck python tests/sanitize_kernels.py tensor
+    compute-sanitizer --tool racecheck python tests/sanitize_kernels.py \
+        forward16
     compute-sanitizer --tool memcheck python tests/sanitize_kernels.py placed
 
 It checks the results too, so a clean sanitizer run is also a right one.
@@ -77,11 +79,17 @@ def both_ways(q, k, v, do, opts):
 
 
 def tensor_cores(rng):
-    """The tensor-core kernels alone: backward16, then v5 and v6 forward
-    at both head dims, causal and not."""
+    """The tensor-core kernels alone: backward16, then forward16."""
     backward16(rng)
-    for d in (64, 128):
-        q, k, v = (rng.standard_normal((2, 77, d)).astype(np.float32)
+    forward16(rng)
+
+
+def forward16(rng):
+    """Every tensor-core forward at both head dims, causal and not; at
+    400 rows a causal block's first warpgroups stop before its last
+    tiles (forward v8)."""
+    for d, n in ((64, 77), (128, 77), (64, 400)):
+        q, k, v = (rng.standard_normal((2, n, d)).astype(np.float32)
                    for _ in range(3))
         for causal in (False, True):
             for name, dtype, kw, tol in forward_calls(d):
@@ -181,6 +189,8 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["backward16"]:
         backward16(np.random.default_rng(0))
+    elif sys.argv[1:] == ["forward16"]:
+        forward16(np.random.default_rng(0))
     elif sys.argv[1:] == ["tensor"]:
         tensor_cores(np.random.default_rng(0))
     elif sys.argv[1:] == ["placed"]:

@@ -116,6 +116,27 @@ def test_v7_grouped_heads(version, rng, opts):
           "bfloat16", **opts)
 
 
+@pytest.mark.parametrize("nq, nk", [(1, 1), (1000, 1024), (1024, 700),
+                                    (129, 1030)])
+@pytest.mark.parametrize("opts", [
+    dict(causal=True), dict(causal="bottom_right"),
+    dict(window=(200, 30), causal=True),
+    dict(causal=True, dropout_p=0.1, seed=3)])
+def test_v8_warpgroups_stop_at_their_own_last_tile(rng, nq, nk, opts):
+    # at d = 64 a block's three warpgroups stop where their own 64 rows
+    # do (masks.last_tile) and hand the block's later tiles back: rows
+    # that end early, rows past Nq, rows that see no key at all, and a
+    # block whose every tile is skipped by its first warpgroups
+    import torch
+
+    host = qkv(rng, (2, 2), nq, nk, 64, 64, np.float32)
+    q, k, v = (torch.tensor(x, device="cuda").bfloat16() for x in host)
+    o, lse = hopper(8, q, k, v, **opts)
+    inputs = [x.double().cpu().numpy() for x in (q, k, v)]
+    check(o.double().cpu().numpy(), lse.cpu().numpy(), *inputs,
+          "bfloat16", **opts)
+
+
 def test_v7_matches_v5_closely(version, rng):
     # same tiles, same softmax: only the products' summation order differs
     import torch

@@ -116,6 +116,28 @@ def test_tile_range_is_the_run_tile_skipped_leaves(nq, nk, causal, window,
             assert (first, last) == (n_tiles, n_tiles - 1)
 
 
+@settings(max_examples=300, deadline=None)
+@given(**BLOCKS, part=st.integers(1, 33))
+def test_last_tile_leaves_only_skipped_tiles(nq, nk, causal, window, kv,
+                                             bq, bk, part):
+    # forward v8's warpgroups stop at last_tile of their own rows: every
+    # later tile of the block is skipped for those rows, the tile itself
+    # is not (where the rows see any key), and it never passes the
+    # block's own last tile
+    for rules, valid, _, i0, i1 in row_blocks(nq, nk, causal, window,
+                                                    kv, bq, bk):
+        first, last = masks.tile_range(i0, i1, nk, bk, rules, valid)
+        for r0 in range(i0, i1, part):
+            r1 = min(r0 + part, i1)
+            own = min(last, masks.last_tile(r1, nk, bk, rules, valid))
+            assert all(masks.tile_skipped(
+                r0, r1, t * bk, min(t * bk + bk, nk), rules, valid)
+                for t in range(max(own + 1, first), last + 1))
+            lo, hi = masks.tile_range(r0, r1, nk, bk, rules, valid)
+            if lo <= hi:
+                assert own == hi
+
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), nq=st.integers(1, 30), nk=st.integers(1, 30),
        density=st.floats(0, 1), seed=st.integers(0, 2**32 - 1),

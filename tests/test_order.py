@@ -151,3 +151,30 @@ def test_launch_grid_spreads_only_placed_kernels_with_unequal_blocks(
     v5 = traits.traits("forward_v5_bf16", 64, 64)
     assert not v5.placed
     assert host.launch_grid(v5, 4096, 4096, 16, causal) == (64, 16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(nq=st.integers(1, 400), nk=st.integers(1, 400),
+       causal=st.sampled_from([True, "bottom_right"]))
+def test_warpgroup_visits_are_the_pairs_with_an_allowed_key(nq, nk, causal):
+    # under a causal mask a warpgroup's visits (its own rows' tiles) are
+    # exactly the (warpgroup, tile) pairs that hold an allowed pair,
+    # counted from the reference's mask; the block-wide way visits at
+    # least those, and needs a mask at least as often
+    bq, bk = 192, 128
+    rules = masks.rules(causal, None, None, None, (), nq, nk)
+    allowed = rules.allowed(range(nq), range(nk))  # (nq, nk) bool
+    got = order.warpgroup_visits(nq, nk, bq, bk, rules.index())
+    want = sum(bool(allowed[r0:r0 + 64, j0:j0 + bk].any())
+               for r0 in range(0, nq, 64) for j0 in range(0, nk, bk))
+    assert got["warpgroup"][0] == want
+    assert got["block"][0] >= got["warpgroup"][0]
+    assert got["block"][1] >= got["warpgroup"][1]
+
+
+def test_warpgroup_visits_at_1k():
+    # chapter 12's counts: 1K causal, forward v8 at d = 64 (192-row
+    # blocks of three warpgroups)
+    index = masks.rules(True, None, None, None, (), 1024, 1024).index()
+    assert order.warpgroup_visits(1024, 1024, 192, 128, index) == {
+        "block": (96, 33), "warpgroup": (72, 16)}

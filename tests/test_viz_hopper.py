@@ -193,6 +193,56 @@ def test_v8_timeline_keeps_the_handoffs(costs):
             assert (h.waiter == "producer") == ("empty" in h.bar)
 
 
+def _overwritten(spans):
+    """(tensor, tile, warpgroup): a copy of `tile` started before that
+    warpgroup's product of the tile two before (same stage) had ended."""
+    copies = {(s.what, s.tile): s for s in spans if s.who == "TMA"}
+    products = {(s.what, s.group, s.tile): s for s in spans
+                if s.who == "tensor cores"}
+    early = []
+    for (tensor, j), copy in copies.items():
+        what = "S" if tensor == "K" else "PV"
+        for (w, g, tile), p in products.items():
+            if (w, tile) == (what, j - 2) and copy.start < p.end - 1e-12:
+                early.append((tensor, j, g))
+    return early
+
+
+@pytest.mark.parametrize("stops", [{0: 1, 1: 3}, {0: -1, 1: 0, 2: 2},
+                                   {0: 4}])
+def test_v8_warpgroups_that_stop_early_hand_every_stage_back(stops):
+    # under a causal mask a warpgroup stops at its own last tile and
+    # hands the block's later ones back after each lands: the producer
+    # still copies every tile, each warpgroup multiplies only its own,
+    # and no copy overwrites a stage a product still reads
+    tiles = 5
+    program = viz.v8_program(tiles, stops=stops)
+    spans, handoffs = viz.v8_timeline(program)
+    copied = {(s.what, s.tile) for s in spans if s.who == "TMA"}
+    assert copied == {("Q", 0)} | {(x, j) for x in "KV"
+                                   for j in range(tiles)}
+    for g in range(forward_v8.groups(64, 64)):
+        last = stops.get(g, tiles - 1)
+        for what in ("S", "PV"):
+            mine = [s.tile for s in spans if s.who == "tensor cores"
+                    and (s.what, s.group) == (what, g)]
+            assert mine == list(range(last + 1)), (g, what)
+    assert not _overwritten(spans)
+    assert all(h.resumed >= h.ready for h in handoffs)
+
+
+def test_v8_model_catches_a_stage_handed_back_before_it_lands():
+    # a warpgroup that stops early and arrives on "empty" without first
+    # waiting for "full" counts towards the stage's earlier tile, and the
+    # producer overwrites it under another warpgroup's product
+    program = viz.v8_program(5, stops={0: 1, 1: 3})
+    steps = program["warpgroup 0"]
+    end = max(k for k, s in enumerate(steps) if s.what == "issue PV")
+    program["warpgroup 0"] = steps[:end + 1] + [
+        s for s in steps[end + 1:] if s.what != "wait"]
+    assert _overwritten(viz.v8_timeline(program)[0])
+
+
 def test_v8_model_stops_on_a_wrong_parity():
     # the producer waiting on the parity of its consumers: its first
     # wait needs the consumers to free a stage they never got

@@ -15,9 +15,11 @@ registers to the consumers (`REGISTERS`: 24 and 240 a thread where two
 consumers are built with 168; 32 and 160 where three are built with
 128). At 160 a tile that needs a mask or dropout runs its softmax after
 P V, whose operands hold the registers that work needs. The run of tiles
-that need no mask is found once a block (`warp.full_run`), and a tile's
-stage and phase are bits of its count: both had cost instructions on
-each tile's path from one product to the next (chapter 12).
+that need no mask is found once a warpgroup (`warp.full_run`), and a
+tile's stage and phase are bits of its count: both had cost instructions
+on each tile's path from one product to the next. Each warpgroup stops
+at the last tile its own 64 rows reach (`masks.last_tile`) and hands
+the block's later ones back unread (chapter 12).
 
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
 them as the last argument; the launch's `derived` update points it at
@@ -57,11 +59,13 @@ from flashlab.gpu.warp import (
     block_place,
     full_run,
     known_softmax,
+    last_tile,
     make_store_rows16,
     plain_softmax,
     rescale,
     tile_range,
     tile_softmax,
+    warp_uniform,
 )
 from flashlab.gpu.wgmma import K_STEP, mma_rs, mma_ss, wait_for
 
@@ -271,6 +275,16 @@ def make(D, D_V, kind="bf16"):
             return
         take()
         row = i0 + 16 * (w - 4) + lane // 4  # this lane's first row (g)
+        # this warpgroup's 64 rows r0..r1-1 and the last tile they visit
+        # (`own_last`): under a causal mask a block's last tiles are
+        # masked out for its first warpgroups, which only hand them back,
+        # and fewer tiles need a mask for 64 rows than for 192
+        # (order.warpgroup_visits: at 1K, a quarter of the visits and
+        # half of the masked ones go)
+        r0 = i0 + 64 * warp_uniform((w - 4) // 4)
+        r1 = min(r0 + 64, nq)
+        own_last = min(last, last_tile(r1, nk, BC, rules, kv)) \
+            if r0 < r1 else first - 1
         q_desc = uint64(descriptor_128b(
             q_at + uint32(64 * 128 * ((w - 4) // 4)), lbo_k, sbo_k))
         k_desc = uint64(descriptor_128b(k_at, lbo_k, sbo_k))
@@ -290,17 +304,17 @@ def make(D, D_V, kind="bf16"):
         # share the registers, a tile that is not full still takes
         # tile_softmax: known_softmax there makes ptxas spill.)
         full_lo, full_hi = int32(0), int32(-1)
-        if not rules.use_mask:
-            lo, hi = full_run(i0, i1, first, last, nk, BC, rules, kv)
+        if not rules.use_mask and first <= own_last:
+            lo, hi = full_run(r0, r1, first, own_last, nk, BC, rules, kv)
             full_lo, full_hi = int32(lo), int32(hi)
-        if first <= last:
+        if first <= own_last:
             tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
             tma.wait(bars + uint32(8 * K_FULL), uint32(0))
             s_issue(sf, q_desc, k_desc)  # S = Q_i K_first^T
             s_wait(sf)
             tma.arrive(bars + uint32(8 * K_EMPTY))
             if TIGHT:
-                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, r0, r1,
                              first * BC, nq, nk, rules, kv_len, mask, kv,
                              poly)
             else:
@@ -308,7 +322,7 @@ def make(D, D_V, kind="bf16"):
                               nq, nk, rules, kv_len, mask,
                               full_lo <= int32(first) <= full_hi, poly)
             to_a(pf, sf)
-        for jt in range(first + 1, last + 1):
+        for jt in range(first + 1, own_last + 1):
             # stage and phase by bits: n // 2 % 2 of a signed n costs a
             # dozen instructions ahead of every tile's products
             n = jt - first
@@ -331,18 +345,29 @@ def make(D, D_V, kind="bf16"):
                 o_wait(of, pf)
             else:  # a mask or dropout needs registers that P holds:
                 o_wait(of, pf)  # P V first (a few tiles of a causal row)
-                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, i0, i1,
+                tile_softmax(sf, m, l, al, seen, NS, BC, b, row, r0, r1,
                              jt * BC, nq, nk, rules, kv_len, mask, kv,
                              poly)
             tma.arrive(bars + uint32(8 * (V_EMPTY + ps)))
             rescale(of, al, NO)
             to_a(pf, sf)
-        if first <= last:  # O_i += P V of the last tile
-            n = last - first
+        if first <= own_last:  # O_i += P V of its last tile
+            n = own_last - first
             tma.wait(bars + uint32(8 * (V_FULL + (n & 1))),
                      uint32((n >> 1) & 1))
             o_issue(of, pf, v_desc + v_next * uint64(n & 1))
             o_wait(of, pf)
+            tma.arrive(bars + uint32(8 * (V_EMPTY + (n & 1))))
+        # the block's tiles past its own: each stage handed back once it
+        # is full (an arrival before then would count towards the stage's
+        # previous tile, whose readers may not all be done)
+        for jt in range(own_last + 1, last + 1):
+            n = jt - first
+            s, phase = n & 1, (n >> 1) & 1
+            tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
+            tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
+            tma.wait(bars + uint32(8 * (V_FULL + s)), uint32(phase))
+            tma.arrive(bars + uint32(8 * (V_EMPTY + s)))
         if eight:  # V's per-tensor scale, on the sum it weighted
             for n in range(NO):
                 for x in range(4):

@@ -67,9 +67,21 @@ spread_pairs = inline(fragments.spread_pairs)
 # the run of tiles that need no mask, found once a block (v8)
 full_run = inline(masks.full_run_of(tile_full))
 # the run of tiles a block visits (in closed form, once a block)
-tile_range = inline(masks.tile_range)
+last_tile = inline(masks.last_tile)
+tile_range = inline(masks.tile_range_of(last_tile))
 # a block's head and rank in the order blocks start in
 block_place = inline(order.place)
+
+
+@inline
+def warp_uniform(x):
+    """x as lane 0 of the warp holds it. A warpgroup's index (the thread
+    index over 128) is the same in every lane, but ptxas cannot know
+    that: through a shuffle from lane 0 it does, and the bounds worked
+    out from it, and a loop's count and stages that follow, stay in
+    uniform registers (from the thread index itself they took vector
+    registers, and forward v8 spilled)."""
+    return cuda.shfl_sync(FULL_MASK, x, 0)
 
 
 @inline
