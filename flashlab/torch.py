@@ -121,6 +121,20 @@ def attention_backward_op(
 
 def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
     """(dq, dk, dv) on q's device, each in its input's dtype."""
+    key = None
+    if mask is None and kv_lengths is None and q.is_cuda:
+        # a call like one before runs its GPU plan without the checks,
+        # as `_forward` does
+        key = (_plan_key(options, q, k, v), o.shape, lse.shape, do.shape,
+               o.dtype, lse.dtype, do.dtype, type(o), type(lse), type(do),
+               o.get_device(), lse.get_device(), do.get_device())
+        ready = _backward_plans.get(key)
+        if ready is not None:
+            plan, fixed_seed = ready
+            grads = plan.run(q, k, v, o, lse, do, fixed_seed if seed is None
+                             else int(seed))
+            if grads is not None:  # else unaligned: the checked path
+                return _in_dtypes(grads, (q, k, v))
     kw = _decode(options, mask, kv_lengths, seed)
     del kw["num_splits"]  # one backward loop follows any split forward
     deterministic = kw.pop("deterministic")
@@ -136,12 +150,22 @@ def _backward_of(q, k, v, o, lse, do, mask, kv_lengths, seed, options):
             saved = [x.float() for x in saved]
         grads = gpu.attention_backward(*saved, deterministic=deterministic,
                                        **kw)
-        return tuple(g if g.dtype == x.dtype else g.to(x.dtype)
-                     for g, x in zip(grads, (q, k, v)))
+        plan = None if key is None else gpu.host.backward_plan(
+            *saved, deterministic=deterministic, **kw)
+        if plan is not None:
+            seed_of = (_decoded.get(options) or json.loads(options))["seed"]
+            _remember(_backward_plans, key, (plan, seed_of), gpu.host.PLANS)
+        return _in_dtypes(grads, (q, k, v))
     # the backward has one loop order for both forward orders
     backend = _cpu_backend(q, k, v, dict(kw, order="fa2"))
     grads = backend.attention_backward(*_numpy(q, k, v, o, lse, do), **kw)
     return tuple(torch.from_numpy(g) for g in grads)
+
+
+def _in_dtypes(grads, inputs):
+    """Each gradient in its input's dtype."""
+    return tuple(g if g.dtype == x.dtype else g.to(x.dtype)
+                 for g, x in zip(grads, inputs))
 
 
 @attention_backward_op.register_fake
@@ -228,6 +252,8 @@ _decoded = {}
 _seen = {}
 _plans = {}  # (options, q, k, v's shapes, dtypes, types, devices) ->
 # (the GPU's forward plan, the options' seed): `_forward`
+_backward_plans = {}  # that key and o, lse, dO's -> (the GPU's backward
+# plan, the options' seed): `_backward_of`
 CACHED = 4096  # entries each; a new seed a call (dropout) must not grow
 # them without end
 

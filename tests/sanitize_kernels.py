@@ -7,6 +7,8 @@ compute-sanitizer on a GPU machine, e.g.
     compute-sanitizer --tool racecheck python tests/sanitize_kernels.py \
         forward16
     compute-sanitizer --tool memcheck python tests/sanitize_kernels.py placed
+    compute-sanitizer --tool memcheck python tests/sanitize_kernels.py \
+        plans16
 
 It checks the results too, so a clean sanitizer run is also a right one.
 """
@@ -105,6 +107,39 @@ def forward16(rng):
     print("tensor-core kernels ran")
 
 
+def plans16(rng):
+    """The prepared plans' own helper kernels (find_bad_parts, row_dot16
+    and the statistics) and kernels, through flashlab.torch on bf16 CUDA
+    tensors: query lengths that leave a row_dot16 block's later passes,
+    or part of its last pass, without rows; then a NaN in V."""
+    import torch
+
+    from flashlab import tiled
+    from flashlab import torch as fl_torch
+
+    for d, n in ((64, 77), (128, 77), (64, 300)):
+        q, k, v, do = (torch.tensor(rng.standard_normal((2, 2, n, d)),
+                                    dtype=torch.bfloat16, device="cuda")
+                       for _ in range(4))
+        wide = [x.double().cpu().numpy() for x in (q, k, v, do)]
+        o, lse = tiled.attention(*wide[:3], causal=True, return_lse=True)
+        want = tiled.attention_backward(*wide[:3], o, lse, wide[3],
+                                        causal=True)
+        leaves = [x.requires_grad_(True) for x in (q, k, v)]
+        for _ in range(2):  # the first call makes the plans, then them
+            grads = torch.autograd.grad(
+                fl_torch.attention(*leaves, is_causal=True), leaves, do)
+            for g, w in zip(grads, want):
+                g = g.double().cpu().numpy()
+                assert np.max(np.abs(g - w)) < 0.05 * np.abs(w).max(), d
+        with torch.no_grad():
+            v[1, 0, 5, 3] = float("nan")
+            o = fl_torch.attention(q, k, v, is_causal=True)
+        bad = torch.isnan(o).cpu().numpy()
+        assert bad[1, 0, :, 3].all() and bad.sum() == n, d
+    print("the plans' kernels ran")
+
+
 def placed(rng, together=4):
     """The placed kernels (forward v7, v8; backward v7, v8 and the fused
     ones) with `together` of 6 heads started at once: the last group's
@@ -195,6 +230,8 @@ if __name__ == "__main__":
         forward16(np.random.default_rng(0))
     elif sys.argv[1:] == ["tensor"]:
         tensor_cores(np.random.default_rng(0))
+    elif sys.argv[1:] == ["plans16"]:
+        plans16(np.random.default_rng(0))
     elif sys.argv[1:] == ["placed"]:
         placed(np.random.default_rng(0))
     else:

@@ -311,3 +311,57 @@ def test_backward_plan_keeps_its_scratch_per_stream(rng, monkeypatch):
             unit = float(torch.finfo(f.dtype).eps)
             assert float((f - s).abs().max()) <= (1e-4 + unit) * float(
                 s.abs().max())
+
+
+def test_torch_backward_runs_the_plan_by_its_own_key(rng, monkeypatch):
+    # autograd's backward finds the GPU plan by flashlab.torch's own key
+    # and skips the checks; its gradients match the general path's on new
+    # data each call, through strided and unaligned dO and dropout
+    import torch
+
+    from flashlab import torch as fl_torch
+
+    monkeypatch.setattr(gpu, "POISON_OUTPUTS", False)
+    fl_torch._backward_plans.clear()
+    full = np.full((2, 4), 176)  # padding arrays take the general path
+
+    def close(got, want):  # D in another order: as the plan tests above
+        for f, s in zip(got, want):
+            assert f.dtype == s.dtype and f.shape == s.shape
+            unit = float(torch.finfo(f.dtype).eps)
+            assert float((f - s).abs().max()) <= (1e-4 + unit) * float(
+                s.abs().max())
+
+    def step(q, k, v, do, **kw):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        o, lse = fl_torch.attention(*leaves, return_lse=True, **kw)
+        return o, lse, torch.autograd.grad(o, leaves, do)
+
+    for _ in range(2):
+        q, k, v, do = bf16_qkv(rng, (2, 4, 176), (2, 4, 176)) + bf16_qkv(
+            rng, (2, 4, 176), (2, 4, 176))[:1]
+        o, lse, grads = step(q, k, v, do, is_causal=True)
+        close(grads, gpu.attention_backward(q, k, v, o.detach(), lse, do,
+                                            causal=True, kv_lengths=full))
+    assert len(fl_torch._backward_plans) == 1
+    # dO strided (a copy is made) and dO contiguous but not 16-byte
+    # aligned (the checked path)
+    wide = torch.stack([do, do], -1)[..., 0]  # strides (..., 2)
+    room = torch.empty(do.numel() + 1, dtype=do.dtype, device="cuda")
+    shifted = room[1:].view(do.shape)
+    shifted.copy_(do)
+    assert not wide.is_contiguous() and shifted.data_ptr() % 16
+    for odd in (wide, shifted):
+        _, _, got = step(q, k, v, odd, is_causal=True)
+        close(got, grads)
+    assert len(fl_torch._backward_plans) == 1
+    # dropout: the seed drawn for the forward reaches the plan's backward
+    torch.manual_seed(5)
+    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    for _ in range(2):  # the first call makes the plan, the second runs it
+        torch.manual_seed(5)
+        o, lse, got = step(q, k, v, do, dropout_p=0.25)
+        close(got, gpu.attention_backward(
+            q, k, v, o.detach(), lse, do, dropout_p=0.25, seed=seed,
+            kv_lengths=full))
+    assert len(fl_torch._backward_plans) == 2

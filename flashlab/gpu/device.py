@@ -418,7 +418,9 @@ def finish_rows(o, lse, bad, empty):
         finish_row(o, lse, bad, empty, b, i, NAN, NAN, NEG_INF)
 
 
-PART_ROWS = 64  # fewest rows of V per block of find_bad_parts
+# fewest rows of V per block of find_bad_parts: with 64, a block at
+# d_v = 64 read 8 KB and starting blocks took much of the kernel's time
+PART_ROWS = 128
 MAX_PARTS = 16  # chunks of V's rows: the words an epilogue ORs
 PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
 # a chunk's flags as one 32-bit word per place of a lane in its quad (a

@@ -299,9 +299,9 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
     options = dict(scale=scale, causal=causal, mask=mask, window=window,
                    kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
                    align=align)
-    fast = _fast_key(q, k, v, ("backward", order, version, deterministic),
-                     dict(options, block_q=block_q, block_k=block_k),
-                     saved=(o, lse, do)) if l is None else None
+    fast = _backward_key(q, k, v, o, lse, do, options, order, version,
+                         deterministic, block_q,
+                         block_k) if l is None else None
     plan = _plans.get(fast) if fast is not None else None
     if plan is not None:  # checked when the plan was made: same key
         return plan(q, k, v, o, lse, do, seed)
@@ -817,6 +817,31 @@ def forward_plan(q, k, v, *, block_q=None, block_k=None, scale=None,
     return None if fast is None else _plans.get(fast)
 
 
+def backward_plan(q, k, v, o, lse, do, *, block_q=None, block_k=None,
+                  scale=None, causal=False, mask=None, window=None,
+                  kv_lengths=None, dropout_p=0.0, seed=None, order="fa2",
+                  align=None, version=None, deterministic=True):
+    """The prepared plan that `attention_backward` runs for these
+    arguments (seed does not choose it), once a call has made it; else
+    None. A caller that keeps it calls `plan.run(q, k, v, o, lse, do,
+    seed)` with arrays of the same shapes, dtypes and device."""
+    options = dict(scale=scale, causal=causal, mask=mask, window=window,
+                   kv_lengths=kv_lengths, dropout_p=dropout_p, seed=seed,
+                   align=align)
+    fast = _backward_key(q, k, v, o, lse, do, options, order, version,
+                         check_flag("deterministic", deterministic),
+                         block_q, block_k)
+    return None if fast is None else _plans.get(fast)
+
+
+def _backward_key(q, k, v, o, lse, do, options, order, version,
+                  deterministic, block_q, block_k):
+    """_fast_key of a backward call (its saved tensors are in the key)."""
+    return _fast_key(q, k, v, ("backward", order, version, deterministic),
+                     dict(options, block_q=block_q, block_k=block_k),
+                     saved=(o, lse, do))
+
+
 def _on_device(x, constant):
     """x on the device; copied once and kept when it is a default value.
 
@@ -1159,6 +1184,15 @@ class _BackwardPlan:
                 g.fill_(float("nan"))
         return grads + empty + counts
 
+    def run(self, q, k, v, o, lse, do, seed):
+        """(dq, dk, dv) of one call; None where one of the six is
+        contiguous but not 16-byte aligned, which the general path
+        takes (`_fast_key`)."""
+        for x in (q, k, v, o, lse, do):
+            if x.is_contiguous() and x.data_ptr() & 15:
+                return None
+        return self(q, k, v, o, lse, do, seed)
+
     def __call__(self, q, k, v, o, lse, do, seed):
         q, k, v, o, lse, do = _dense(q, k, v, o, lse, do)
         stream = self.stream_of()
@@ -1167,13 +1201,15 @@ class _BackwardPlan:
         if scratch is None:
             scratch = self._new_scratch(stream, q, fresh)
         delta, stats = scratch
-        dq, dk, dv, *counts = self._grads(q)
+        # D and the statistics first: the GPU works on them while the
+        # host allocates the gradients
         for arg, x in enumerate((do, o, delta)):
             self.row_dot.point(arg, x.data_ptr())
         self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
         for arg, x in enumerate((q, k, lse, stats)):
             self.statistics.point(arg, x.data_ptr())
         self.statistics.launch(self.row_grid, device.THREADS, stream)
+        dq, dk, dv, *counts = self._grads(q)
         inputs = (q, k, v, do, stats, delta)
         launches = (((self.dkv, (dk, dv, dq, *counts)),) if self.fused else
                     ((self.dkv, (dk, dv)), (self.dq, (dq,))))

@@ -218,7 +218,7 @@ KERNELS = (
            "transpose8", (E4M3,),
            **dict(_HELPER, threads=forward_v8.transpose_threads(
                max(forward_v8.E4M3_DIMS)))),
-    # a warp per row, warp.DOT_ROWS rows a block
+    # a warp per 4 rows at a time, warp.DOT_ROWS rows a block
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
              "row_dot16", (dtype,), **dict(_HELPER, threads=warp.THREADS))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),

@@ -457,7 +457,10 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
 
 
 DOT_PER_WARP = 4  # rows a warp of row_dot16 sums: 2 x 4 loads in flight
-DOT_ROWS = THREADS // 32 * DOT_PER_WARP  # rows of a row_dot16 block
+# passes of a row_dot16 block: a block of one pass moved 4 KB at d_v = 64
+# and the GPU spent much of its time starting blocks
+DOT_PASSES = 8
+DOT_ROWS = THREADS // 32 * DOT_PER_WARP * DOT_PASSES  # rows of a block
 
 
 @inline
@@ -483,17 +486,20 @@ def _row_dot16(unpack):
     def row_dot16(do, o, delta):
         """D_i = rowsum(dO_i o O_i) in float32 from 16-bit pairs (BH, N,
         d_v / 2): the backward's one preparation. A warp per
-        DOT_PER_WARP rows, blocks of DOT_ROWS rows: lane x reads pairs x,
-        x + 32, ... of each, so each load of the warp is one contiguous
-        128-byte run, the rows' loads are in flight together (one row a
-        warp left the memory system waiting on too few), and the lanes'
-        sums meet by shuffles."""
+        DOT_PER_WARP rows at a time, DOT_PASSES times over, blocks of
+        DOT_ROWS rows: lane x reads pairs x, x + 32, ... of each, so each
+        load of the warp is one contiguous 128-byte run, the rows' loads
+        are in flight together (one row a warp left the memory system
+        waiting on too few), and the lanes' sums meet by shuffles."""
         b = cuda.blockIdx.y
         lane = cuda.threadIdx.x % 32
-        i = (cuda.blockIdx.x * DOT_ROWS
-             + cuda.threadIdx.x // 32 * DOT_PER_WARP)
         n = do.shape[1]
-        if i < n:  # the whole warp or none of it
+        for p in range(DOT_PASSES):
+            i = (cuda.blockIdx.x * DOT_ROWS
+                 + (p * (THREADS // 32) + cuda.threadIdx.x // 32)
+                 * DOT_PER_WARP)
+            if i >= n:  # the whole warp or none of it; later passes too
+                break
             acc0, acc1, acc2, acc3 = F0, F0, F0, F0
             for x in range(lane, do.shape[2], 32):
                 acc0 += pair_dot(do[b, i, x], o[b, i, x])
