@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from flashlab import bench, costs, measured, reference
-from flashlab.bench import cli, cpu, gpt, host, report, timing, training
+from flashlab.bench import (
+    cli,
+    cpu,
+    gpt,
+    host,
+    report,
+    step_gaps,
+    timing,
+    training,
+)
 from flashlab.bench.runner import Case, Suite, run
 
 TINY = (("fwd+bwd", 2, 2, 64, 64, True), ("forward", 1, 3, 48, 64, False),
@@ -339,7 +348,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     with open(tmp_path / "bench.csv") as f:
         assert f.read().strip() == ",".join(report.FIELDS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for flag in ("--host", "--training", "--gpt"):
+    for flag in ("--host", "--training", "--gpt", "--step-gaps"):
         with pytest.raises(SystemExit):
             bench.main([flag, "--out", str(tmp_path)])
         assert "no CUDA device" in capsys.readouterr().err
@@ -349,7 +358,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     for flag in ("--cpu", "--no-gpu", "--quick", "--out", "--tensor-cores",
                  "--backward-only", "--decode", "--ring", "--ceilings",
                  "--versions", "--host", "--training", "--gpt", "--hopper",
-                 "--fp8-only"):
+                 "--fp8-only", "--step-gaps"):
         assert flag in out
     with pytest.raises(SystemExit):
         bench.main(["--fp8-only", "--out", str(tmp_path)])
@@ -389,3 +398,29 @@ def test_cpu_machine_names_the_blas_kernels():
     m = cpu.machine()
     assert m["cores"] >= 1 and m["cpu"]
     assert all(b["kernels"] for b in m["blas"])  # e.g. SkylakeX, Haswell
+
+
+def test_step_gaps_summarize_medians_of_each_steps_gaps(rng):
+    # three kernels a step at random starts and lengths: each step's own
+    # gaps, idle time and span, then the medians over the steps
+    steps, kernels, want = 5, [], []
+    t = 0.0
+    for _ in range(steps):
+        t += float(rng.uniform(100, 200))  # the host's time between steps
+        start, durs, gaps = t, rng.uniform(5, 50, 3), rng.uniform(0, 30, 2)
+        for i, dur in enumerate(durs):
+            kernels.append((t, float(dur)))
+            t += float(dur) + (float(gaps[i]) if i < 2 else 0.0)
+        want.append((durs.sum(), t - start, gaps))
+    got = step_gaps.summarize(kernels, steps, forward_at=1)
+    med = np.median
+    assert got["kernel_us"] == round(med([w[0] for w in want]), 1)
+    assert got["first_to_last_us"] == round(med([w[1] for w in want]), 1)
+    assert got["idle_us"] == round(med([w[1] - w[0] for w in want]), 1)
+    assert got["wait_us"] == round(med([w[2][1] for w in want]), 1)
+    assert got["gaps_us"] == [round(med([w[2][i] for w in want]), 1)
+                              for i in range(2)]
+    with pytest.raises(ValueError, match="kernels: expected"):
+        step_gaps.summarize(kernels[:-1], steps, 1)
+    with pytest.raises(ValueError, match="forward_at"):
+        step_gaps.summarize(kernels, steps, 2)

@@ -13,6 +13,7 @@ from flashlab.bench import (
     report,
     ring,
     scalar,
+    step_gaps,
     tensor,
     training,
 )
@@ -66,6 +67,9 @@ def main(argv=None):
     ap.add_argument("--training", action="store_true",
                     help="bf16 training shapes against SDPA's flash and "
                          "cuDNN backends (training.csv)")
+    ap.add_argument("--step-gaps", action="store_true",
+                    help="where a bf16 training step leaves the GPU idle, "
+                         "flashlab against cuDNN (step_gaps.json)")
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
@@ -104,6 +108,9 @@ def main(argv=None):
         return tensor_main(args)
     if args.ring:
         return ring.main(args.out, report.machine())
+    if args.step_gaps:
+        _need_cuda(ap)
+        return step_gaps.main(args.out, report.machine())
     if args.decode:
         return measure(decode.suite(), args.out)
     if args.host or args.training or args.gpt:

@@ -1,0 +1,118 @@
+"""Where a training step leaves the GPU idle: kernel times from CUPTI.
+
+One bf16 causal step (forward and backward by autograd) of
+flashlab.torch.attention and of SDPA's cuDNN backend, at each of SHAPES:
+5 steps to warm up, then `steps` steps under torch.profiler with CUDA
+activity only (kernel times on the GPU's clock, and no host events to
+slow the host), a synchronize after each. Per step: the kernels' total
+time, the span from the first kernel's start to the last one's end, and
+the idle time between each kernel and the next, in launch order; the
+medians over the steps. "wait" is the idle time between the forward's
+kernel and the backward's first. Writes step_gaps.json. See chapter 12,
+"The GPU's wait between the forward and the backward".
+"""
+
+import json
+import os
+import statistics
+import tempfile
+
+SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 128))  # (B, H, N, d)
+# where the forward's own kernel is among a step's kernels: flashlab's
+# comes after V's bad-column flags (find_bad_parts), cuDNN's first
+FORWARD_AT = {"flashlab": 1, "cudnn": 0}
+
+
+def summarize(kernels, steps, forward_at):
+    """Medians over `steps` steps of kernels (start_us, duration_us) in
+    launch order, each step the same number of them: kernel_us,
+    first_to_last_us, idle_us, wait_us (after the kernel at
+    `forward_at`) and gaps_us (after each kernel but the last)."""
+    per, extra = divmod(len(kernels), steps)
+    if steps < 1 or per < 2 or extra:
+        raise ValueError(f"kernels: expected the same number (at least 2) "
+                         f"in each of {steps} steps, got {len(kernels)}")
+    if not 0 <= forward_at < per - 1:
+        raise ValueError(f"forward_at: expected 0 to {per - 2}, got "
+                         f"{forward_at}")
+    rows = []
+    for s in range(steps):
+        one = kernels[s * per:(s + 1) * per]
+        gaps = [b[0] - a[0] - a[1] for a, b in zip(one, one[1:])]
+        busy = sum(d for _, d in one)
+        span = one[-1][0] + one[-1][1] - one[0][0]
+        rows.append((busy, span, span - busy, gaps[forward_at], gaps))
+    med = statistics.median
+    return dict(kernel_us=round(med(r[0] for r in rows), 1),
+                first_to_last_us=round(med(r[1] for r in rows), 1),
+                idle_us=round(med(r[2] for r in rows), 1),
+                wait_us=round(med(r[3] for r in rows), 1),
+                gaps_us=[round(med(g), 1)
+                         for g in zip(*(r[4] for r in rows))])
+
+
+def kernel_times(step, steps):
+    """(start_us, duration_us) of every kernel that `steps` calls of
+    step() launch, each followed by a synchronize, in launch order."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            events = json.load(f)["traceEvents"]
+    return sorted((e["ts"], e["dur"]) for e in events
+                  if e.get("ph") == "X" and e.get("cat") == "kernel")
+
+
+def rows(shapes=SHAPES, steps=20, warm=5):
+    """One row per (shape, implementation): `summarize`'s medians."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashlab import torch as fl_torch
+
+    def cudnn(*args, **kw):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*args, **kw)
+
+    out = []
+    for b, h, n, d in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(n + d)
+        q, k, v, do = (torch.randn(b, h, n, d, device="cuda",
+                                   dtype=torch.bfloat16, generator=gen)
+                       for _ in range(4))
+        leaves = [x.requires_grad_(True) for x in (q, k, v)]
+        for name, attend in (("flashlab", fl_torch.attention),
+                             ("cudnn", cudnn)):
+            def step(attend=attend, leaves=leaves, do=do):
+                return torch.autograd.grad(attend(*leaves, is_causal=True),
+                                           leaves, do)
+
+            for _ in range(warm):
+                step()
+            torch.cuda.synchronize()
+            found = summarize(kernel_times(step, steps), steps,
+                              FORWARD_AT[name])
+            out.append(dict(impl=name, B=b, H=h, N=n, d=d, **found))
+            print(f"B{b} H{h} N{n} d{d} {name:<9} kernels "
+                  f"{found['kernel_us']:8.1f} us, span "
+                  f"{found['first_to_last_us']:8.1f}, idle "
+                  f"{found['idle_us']:6.1f}, wait {found['wait_us']:6.1f}",
+                  flush=True)
+    return out
+
+
+def main(out, machine):
+    """Measure, write step_gaps.json under `out`, return the rows."""
+    found = rows()
+    with open(os.path.join(out, "step_gaps.json"), "w",
+              encoding="utf-8") as f:
+        json.dump(dict(machine=machine, rows=found), f, indent=1)
+    return found
