@@ -315,6 +315,7 @@ for kind, d, part in itertools.product(("bf16", "f16"),
         wgmma=text.count("wgmma.mma_async"),
         tma=text.count("cp.async.bulk.tensor"),
         reduce=text.count("cp.reduce.async.bulk.tensor"),
+        store=text.count("cp.async.bulk.tensor.3d.global.shared"),
         atomics=text.count("red.global") + text.count("atom.global"),
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
         setmaxnreg=text.count("setmaxnreg"), local=ptx.local_bytes(text),
@@ -358,9 +359,11 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
             assert r["reduce"] == d // 32 and r["atomics"] == 0, (kind, r)
             assert r["tma"] >= 4 and r["copies"] == 0, (kind, r)
             assert r["bars"] == 2, (kind, r)
-            # v9 (ordered): one acquire spin and one release a tile
-            turns = [1, 1] if "ordered" in kind else [0, 0]
-            assert r["turns"] == turns, (kind, r)
+            # v9 (ordered): one acquire spin and one release a tile, and
+            # the tile's boxes stored instead at its first turn
+            ordered = "ordered" in kind
+            assert r["turns"] == [ordered] * 2, (kind, r)
+            assert r["store"] == ordered * d // 32, (kind, r)
             continue
         # S^T, dP^T: d / 16 k-steps each; dV, dK: 4 (64 queries)
         assert r["wgmma"] == r["v7_wgmma"] == 2 * d // 16 + 8, (kind, r)

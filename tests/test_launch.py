@@ -2,6 +2,7 @@
 kernel's PTX, the per-architecture table against ptxas, the disk cache,
 and the version a device of each compute capability gets."""
 
+import itertools
 import struct
 
 import numpy as np
@@ -241,3 +242,28 @@ def test_plan_keys_hold_what_the_checks_read(monkeypatch):
         assert host._fast_key(*args, ("f",), opts) is None
     assert host._fast_key(q, k, v, ("f",), options(),
                           saved=(np.zeros(3),)) is None
+
+
+def test_ordered_backward_skips_zeros_only_where_each_tile_is_reached():
+    # backward v9 stores each dQ tile at its first turn: the host may
+    # leave dQ unzeroed only when every query tile has a key block. That
+    # is so exactly when some row of each tile may attend to some key
+    # (masks.Rules.empty_rows, row by row from the same rules)
+    from flashlab import masks
+    from flashlab.gpu import host, traits
+
+    tr = traits.traits("backward_v9_fused_bf16", 64, 64)
+    seen = set()
+    for (nq, nk), causal, window in itertools.product(
+            ((1, 1), (64, 64), (130, 1), (300, 700), (700, 300),
+             (1000, 129), (64, 1000)), (False, True),
+            (None, (0, 0), (20, None), (None, 0), (200, 3))):
+        for offset in (0, nk - nq):
+            rules = masks.Rules(causal, offset, window, None, None)
+            empty = rules.empty_rows((), nq, nk)
+            want = not any(empty[i0:i0 + tr.bc].all()
+                           for i0 in range(0, nq, tr.bc))
+            got = host._stores_every_tile(tr, nq, nk, rules.index())
+            assert got == want, (nq, nk, causal, window, offset)
+            seen.add(got)
+    assert seen == {True, False}  # both answers come up

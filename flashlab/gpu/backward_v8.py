@@ -52,8 +52,10 @@ done, not only read, and adds one to the count (a release). Blocks
 start in rank order (flashlab.order), so a block only waits for blocks
 that started before it, and it takes its query tiles last to first
 (`next_item_down`), where blocks of lower rank are never behind it. The
-host passes the counts zeroed, beside the zeroed float32 dQ. See
-chapter 12.
+host passes the counts zeroed, beside the float32 dQ: the block whose
+turn at a tile is first stores its part (TMA's store, the same box) and
+the others add theirs, so dQ needs zeros only where a query tile may
+have no key block (host.py's `_stores_every_tile`). See chapter 12.
 """
 
 import numpy as np
@@ -321,11 +323,15 @@ def _stage_hooks(D, kind, ordered=False):
             b, i0 = where[u, 0], where[u, 1]
             if b < 0:
                 break
-            at = turn(counts, b, i0, rank, rules, kv_len, nq, nk)
+            at, first = turn(counts, b, i0, rank, rules, kv_len, nq, nk)
             for p in range(D // DQ_BOX):
-                tma.reduce_add_3d(maps_at + uint64(512), int32(p * DQ_BOX),
-                                  i0, b, dq_at + uint32(DQ_B * u
-                                                        + p * BQ * 128))
+                box = dq_at + uint32(DQ_B * u + p * BQ * 128)
+                if first:  # the tile's first turn: written, not added
+                    tma.store_3d(maps_at + uint64(512), int32(p * DQ_BOX),
+                                 i0, b, box)
+                else:
+                    tma.reduce_add_3d(maps_at + uint64(512),
+                                      int32(p * DQ_BOX), i0, b, box)
             tma.bulk_commit()
             turn_done(at)
             tma.arrive(bars + uint32(8 * (DQ_EMPTY + u)))
@@ -337,14 +343,15 @@ def _stage_hooks(D, kind, ordered=False):
 
 def _turns(ordered):
     """The drain's steps around a tile's additions: (`turn`, which waits
-    for this block's turn at the tile and returns where its count is, and
+    for this block's turn at the tile and returns where its count is and
+    whether the turn is the tile's first, whose tile is stored, and
     `turn_done`, which frees the staged tile once TMA has read it and,
     ordered, passes the turn on once the additions are done)."""
     BK, BQ = own("dkv"), STREAMED
     if not ordered:
         @inline
         def no_turn(counts, b, i0, rank, rules, kv_len, nq, nk):
-            return uint64(0)
+            return uint64(0), False
 
         @inline
         def read(at):
@@ -361,7 +368,7 @@ def _turns(ordered):
                            kv_len[b])[0]
         at = global_address(counts, (b, i0 // BQ))
         tma.wait_count(at, uint32(rank - first))
-        return at
+        return at, rank == first
 
     @inline
     def done(at):

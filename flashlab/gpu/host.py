@@ -13,6 +13,7 @@ names. See chapters 9 to 11.
 
 import math
 import numbers
+import operator
 import sys
 
 import numpy as np
@@ -558,6 +559,15 @@ def _fused16(call, arrays, keys_tr, q, k, v, d, d_v, dtype):
 def _ordered(name):
     """Whether kernel `name` adds to dQ in turn (it takes the counts)."""
     return registry.get(name).args == "backward16_ordered_tma"
+
+
+def _stores_every_tile(keys_tr, nq, nk, rules):
+    """Whether every query tile of an ordered kernel has a key block under
+    the index rules, every key valid: then the tile's first turn stores
+    it (backward_v8's drain), and dQ's float32 sum needs no zeros."""
+    return all(operator.le(*masks.tile_range(
+        i0, min(i0 + keys_tr.bc, nq), nk, keys_tr.br, rules, nk))
+        for i0 in range(0, nq, keys_tr.bc))
 
 
 def _count_shape(keys_tr, bh, nq):
@@ -1117,6 +1127,11 @@ class _BackwardPlan:
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
         self.counts = _count_shape(dkv_tr, bh, nq) if self.ordered else None
+        # v9 stores each dQ tile at its first turn: zeros only where a
+        # tile may have none (kv_lengths: any batch element may have 0)
+        self.zero_dq = self.fused and not (
+            self.ordered and options["kv_lengths"] is None
+            and _stores_every_tile(dkv_tr, nq, nk, self.rules))
         grads = self._grads(q)
         dq, dk, dv = (self._kernel_view(g, shape) for g, shape in zip(
             grads, self.views))
@@ -1161,19 +1176,24 @@ class _BackwardPlan:
 
     def _grads(self, q):
         """Fresh dq, dk, dv as the kernels write them (`grads16`); dq
-        float32 zeros for the fused kernel, which adds to it, and after
-        them the ordered kernel's int32 counts, zeros from the same
-        allocation."""
+        float32 for the fused kernel, which adds to it (zeros unless each
+        tile's first turn stores it, `zero_dq`), and after them the
+        ordered kernel's int32 counts, zeros from the same allocation."""
         import torch
 
         # the fused kernel's dQ is an accumulator: zeros, never poisoned
         grads, counts = [], []
         if self.ordered:  # one allocation and fill for dQ and the counts
             size = math.prod(self.shapes[0])
-            both = torch.zeros(size + math.prod(self.counts),
-                               dtype=torch.float32, device=self.device)
+            new = torch.zeros if self.zero_dq else torch.empty
+            both = new(size + math.prod(self.counts), dtype=torch.float32,
+                       device=self.device)
             grads = [both[:size].view(self.shapes[0])]
             counts = [both[size:].view(torch.int32).view(self.counts)]
+            if not self.zero_dq:  # stored, so it may be poisoned
+                counts[0].zero_()
+                if _poisoned():
+                    grads[0].fill_(float("nan"))
         elif self.fused:
             grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
                                  device=self.device)]

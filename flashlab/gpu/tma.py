@@ -101,6 +101,11 @@ load_3d = _statement(
 reduce_add_3d = _statement(
     "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
     " [$0, {$1, $2, $3}], [$4];", (U64, I32, I32, I32, U32))
+# store_3d(map, x, y, z, src): reduce_add_3d's box written, not added:
+# the same operands and groups, the same parts past the end left out
+store_3d = _statement(
+    "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group"
+    " [$0, {$1, $2, $3}], [$4];", (U64, I32, I32, I32, U32))
 bulk_commit = _statement("cp.async.bulk.commit_group;", ())
 bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;", ())
 bulk_wait = _statement("cp.async.bulk.wait_group 0;", ())
