@@ -114,7 +114,8 @@ def plans16(rng):
     """The prepared plans' own helper kernels (find_bad_parts, row_dot16
     and the statistics) and kernels, through flashlab.torch on bf16 CUDA
     tensors: query lengths that leave a row_dot16 block's later passes,
-    or part of its last pass, without rows; then a NaN in V."""
+    or part of its last pass, without rows; then a NaN in V; then
+    backward v9's plan (`ordered_plans`)."""
     import torch
 
     from flashlab import tiled
@@ -140,7 +141,42 @@ def plans16(rng):
             o = fl_torch.attention(q, k, v, is_causal=True)
         bad = torch.isnan(o).cpu().numpy()
         assert bad[1, 0, :, 3].all() and bad.sum() == n, d
+    ordered_plans(rng)
     print("the plans' kernels ran")
+
+
+def ordered_plans(rng):
+    """Backward v9 through its plan, dQ poisoned where the host does not
+    zero it: stored at each tile's first turn (causal, every query tile
+    reached), and zeroed where a bottom-right mask leaves the first query
+    tiles without keys (`host._stores_every_tile`)."""
+    import torch
+
+    from flashlab import tiled
+    from flashlab.gpu import launch, registry
+
+    if not registry.get("backward_v9_fused_bf16").runs_on(
+            launch.device_cc()):
+        return
+    gpu.POISON_OUTPUTS = True
+    for nq, nk, causal in ((300, 300, True), (200, 70, "bottom_right")):
+        q, do = (torch.tensor(rng.standard_normal((2, 2, nq, 64)),
+                              dtype=torch.bfloat16, device="cuda")
+                 for _ in range(2))
+        k, v = (torch.tensor(rng.standard_normal((2, 2, nk, 64)),
+                             dtype=torch.bfloat16, device="cuda")
+                for _ in range(2))
+        o, lse = gpu.attention(q, k, v, causal=causal, return_lse=True)
+        wide = [x.double().cpu().numpy() for x in (q, k, v, o, lse, do)]
+        want = tiled.attention_backward(*wide, causal=causal)
+        for _ in range(2):  # the first call makes the plan, then it
+            got = gpu.attention_backward(q, k, v, o, lse, do,
+                                         causal=causal, version=9)
+            for g, w in zip(got, want):
+                g = g.double().cpu().numpy()
+                assert np.max(np.abs(g - w)) < 0.05 * np.abs(w).max(), (
+                    nq, nk)
+    gpu.POISON_OUTPUTS = False
 
 
 def placed(rng, together=4):

@@ -1077,7 +1077,8 @@ class _BackwardPlan:
     float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
     (warp.row_dot16), the dK/dV and the dQ kernels from their packed
     buffers; or, with a fused kernel (names[1] None), that kernel on a
-    zeroed float32 dQ, which it adds tau dS K to, then dQ in q's dtype."""
+    float32 dQ, which it adds tau dS K to (zeroed first unless each
+    tile's first turn stores it, `zero_dq`), then dQ in q's dtype."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
@@ -1181,7 +1182,8 @@ class _BackwardPlan:
         ordered kernel's int32 counts, zeros from the same allocation."""
         import torch
 
-        # the fused kernel's dQ is an accumulator: zeros, never poisoned
+        # the fused kernel's dQ is an accumulator: where it starts as
+        # zeros it is never poisoned
         grads, counts = [], []
         if self.ordered:  # one allocation and fill for dQ and the counts
             size = math.prod(self.shapes[0])
