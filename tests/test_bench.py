@@ -424,3 +424,22 @@ def test_step_gaps_summarize_medians_of_each_steps_gaps(rng):
         step_gaps.summarize(kernels[:-1], steps, 1)
     with pytest.raises(ValueError, match="forward_at"):
         step_gaps.summarize(kernels, steps, 2)
+
+
+def test_step_gaps_by_name_sums_each_kernel_a_step():
+    # flashlab's mangled names shortened to the function's, others cut;
+    # the same name's events summed and divided by the steps, longest
+    # first
+    fused = ("flashlab::gpu::backward_v8::_make::_3clocals_3e::"
+             "backward_v9_fused[abi:v1,cw51cXTLSUwv1sCUt9Uw1VEAA](Array)")
+    dot = "flashlab::gpu::warp::_row_dot16::_3clocals_3e::row_dot16[abi:v2]"
+    fill = "void at::native::vectorized_elementwise_kernel<4, " + "x" * 80
+    events = [(fused, 900.0), (dot, 80.0), (fill, 29.0), ("Memset", 1.5),
+              (fused, 916.0), (dot, 79.0), ("Memset", 2.5)]
+    got = step_gaps.by_name(events, steps=2)
+    assert got == {"backward_v9_fused": 908.0, "row_dot16": 79.5,
+                   fill[:step_gaps.NAME_CHARS]: 14.5, "Memset": 2.0}
+    assert list(got) == ["backward_v9_fused", "row_dot16",
+                         fill[:step_gaps.NAME_CHARS], "Memset"]
+    with pytest.raises(ValueError, match="steps"):
+        step_gaps.by_name(events, 0)

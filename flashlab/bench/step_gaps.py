@@ -8,8 +8,10 @@ slow the host), a synchronize after each. Per step: the kernels' total
 time, the span from the first kernel's start to the last one's end, and
 the idle time between each kernel and the next, in launch order; the
 medians over the steps. "wait" is the idle time between the forward's
-kernel and the backward's first. Writes step_gaps.json. See chapter 12,
-"The GPU's wait between the forward and the backward".
+kernel and the backward's first. Also each kernel's (and memset's) time
+a step by name, the mean over the steps (`by_name`). Writes
+step_gaps.json. See chapter 12, "The GPU's wait between the forward and
+the backward" and "dQ without a zeroed sum".
 """
 
 import json
@@ -51,9 +53,35 @@ def summarize(kernels, steps, forward_at):
                          for g in zip(*(r[4] for r in rows))])
 
 
-def kernel_times(step, steps):
-    """(start_us, duration_us) of every kernel that `steps` calls of
-    step() launch, each followed by a synchronize, in launch order."""
+NAME_CHARS = 60  # of a name from outside flashlab
+
+
+def short_name(name):
+    """A kernel's name without its namespaces and arguments where it is
+    one of flashlab's (numba's mangled `a::b::f[abi:...]`, f its
+    function's name), else its first NAME_CHARS characters."""
+    if name.startswith("flashlab::"):
+        return name.split("[", 1)[0].rsplit("::", 1)[-1]
+    return name[:NAME_CHARS]
+
+
+def by_name(events, steps):
+    """{short_name: µs a step} of (name, duration_us) events over
+    `steps` steps, the longest first, rounded to 0.1 µs."""
+    if steps < 1:
+        raise ValueError(f"steps: expected at least 1, got {steps}")
+    total = {}
+    for name, dur in events:
+        key = short_name(name)
+        total[key] = total.get(key, 0.0) + dur
+    return {key: round(us / steps, 1) for key, us in
+            sorted(total.items(), key=lambda item: -item[1])}
+
+
+def device_events(step, steps):
+    """(start_us, duration_us, name, is_kernel) of every kernel and
+    memset that `steps` calls of step() run, each followed by a
+    synchronize, in the order they started."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -66,8 +94,9 @@ def kernel_times(step, steps):
         prof.export_chrome_trace(path)
         with open(path, encoding="utf-8") as f:
             events = json.load(f)["traceEvents"]
-    return sorted((e["ts"], e["dur"]) for e in events
-                  if e.get("ph") == "X" and e.get("cat") == "kernel")
+    return sorted((e["ts"], e["dur"], e["name"], e["cat"] == "kernel")
+                  for e in events if e.get("ph") == "X"
+                  and e.get("cat") in ("kernel", "gpu_memset"))
 
 
 def rows(shapes=SHAPES, steps=20, warm=5):
@@ -98,14 +127,19 @@ def rows(shapes=SHAPES, steps=20, warm=5):
             for _ in range(warm):
                 step()
             torch.cuda.synchronize()
-            found = summarize(kernel_times(step, steps), steps,
-                              FORWARD_AT[name])
-            out.append(dict(impl=name, B=b, H=h, N=n, d=d, **found))
+            events = device_events(step, steps)
+            found = summarize([(t, dur) for t, dur, _, kernel in events
+                               if kernel], steps, FORWARD_AT[name])
+            names = by_name([(x, dur) for _, dur, x, _ in events], steps)
+            out.append(dict(impl=name, B=b, H=h, N=n, d=d, **found,
+                            by_name_us=names))
             print(f"B{b} H{h} N{n} d{d} {name:<9} kernels "
                   f"{found['kernel_us']:8.1f} us, span "
                   f"{found['first_to_last_us']:8.1f}, idle "
                   f"{found['idle_us']:6.1f}, wait {found['wait_us']:6.1f}",
                   flush=True)
+            for key, us in names.items():
+                print(f"    {us:8.1f}  {key}", flush=True)
     return out
 
 
