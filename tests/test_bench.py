@@ -443,3 +443,20 @@ def test_step_gaps_by_name_sums_each_kernel_a_step():
                          fill[:step_gaps.NAME_CHARS], "Memset"]
     with pytest.raises(ValueError, match="steps"):
         step_gaps.by_name(events, 0)
+
+
+def test_step_gaps_median_rounds_is_the_median_round_a_step():
+    # ms per round of 10 steps: the median round's µs a step of each, and
+    # cuDNN's over flashlab's (an odd count of rounds, then an even one)
+    got = step_gaps.median_rounds(
+        {"flashlab": [6.0, 5.0, 9.0], "cudnn": [4.5, 4.0, 4.2]}, 10)
+    assert got == {"us": 600.0, "cudnn_us": 420.0, "x_cudnn": 0.7}
+    got = step_gaps.median_rounds(
+        {"flashlab": [6.0, 5.0, 9.0, 7.0], "cudnn": [4.5, 4.0, 4.2, 4.0]},
+        10)
+    assert got == {"us": 650.0, "cudnn_us": 410.0,
+                   "x_cudnn": round(410 / 650, 3)}
+    with pytest.raises(ValueError, match="rounds_ms"):
+        step_gaps.median_rounds({"flashlab": [1.0]}, 10)
+    with pytest.raises(ValueError, match="per_round"):
+        step_gaps.median_rounds({"flashlab": [1.0], "cudnn": [1.0]}, 0)

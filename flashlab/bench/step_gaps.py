@@ -9,9 +9,11 @@ time, the span from the first kernel's start to the last one's end, and
 the idle time between each kernel and the next, in launch order; the
 medians over the steps. "wait" is the idle time between the forward's
 kernel and the backward's first. Also each kernel's (and memset's) time
-a step by name, the mean over the steps (`by_name`). Writes
-step_gaps.json. See chapter 12, "The GPU's wait between the forward and
-the backward" and "dQ without a zeroed sum".
+a step by name, the mean over the steps (`by_name`). Then the step as a
+user times it: the two in alternating rounds of 10 steps between CUDA
+events, the median round (`user_steps`). Writes step_gaps.json. See
+chapter 12, "The GPU's wait between the forward and the backward" and
+"dQ without a zeroed sum".
 """
 
 import json
@@ -99,8 +101,11 @@ def device_events(step, steps):
                   and e.get("cat") in ("kernel", "gpu_memset"))
 
 
-def rows(shapes=SHAPES, steps=20, warm=5):
-    """One row per (shape, implementation): `summarize`'s medians."""
+def training_steps(shapes=SHAPES):
+    """For each (B, H, N, d) of `shapes`: that shape and {impl: step}, a
+    function of no arguments that runs one bf16 causal step of impl
+    (forward, then autograd's backward from a fixed dO) on the same
+    tensors, for impl flashlab and cudnn (SDPA's cuDNN backend)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -111,19 +116,30 @@ def rows(shapes=SHAPES, steps=20, warm=5):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(*args, **kw)
 
-    out = []
     for b, h, n, d in shapes:
         gen = torch.Generator(device="cuda").manual_seed(n + d)
         q, k, v, do = (torch.randn(b, h, n, d, device="cuda",
                                    dtype=torch.bfloat16, generator=gen)
                        for _ in range(4))
         leaves = [x.requires_grad_(True) for x in (q, k, v)]
+        steps = {}
         for name, attend in (("flashlab", fl_torch.attention),
                              ("cudnn", cudnn)):
             def step(attend=attend, leaves=leaves, do=do):
                 return torch.autograd.grad(attend(*leaves, is_causal=True),
                                            leaves, do)
 
+            steps[name] = step
+        yield (b, h, n, d), steps
+
+
+def rows(shapes=SHAPES, steps=20, warm=5):
+    """One row per (shape, implementation): `summarize`'s medians."""
+    import torch
+
+    out = []
+    for (b, h, n, d), impls in training_steps(shapes):
+        for name, step in impls.items():
             for _ in range(warm):
                 step()
             torch.cuda.synchronize()
@@ -143,10 +159,60 @@ def rows(shapes=SHAPES, steps=20, warm=5):
     return out
 
 
+def median_rounds(rounds_ms, per_round):
+    """{"us", "cudnn_us", "x_cudnn"} from each implementation's ms per
+    round of `per_round` steps ({"flashlab": [...], "cudnn": [...]}):
+    the median round's µs a step, and cuDNN's over flashlab's."""
+    if not all(rounds_ms.get(x) for x in FORWARD_AT):
+        raise ValueError(f"rounds_ms: expected rounds of each of "
+                         f"{tuple(FORWARD_AT)}, got {rounds_ms!r}")
+    if per_round < 1:
+        raise ValueError(f"per_round: expected at least 1, got "
+                         f"{per_round}")
+    fl, cu = (1000 * statistics.median(rounds_ms[x]) / per_round
+              for x in ("flashlab", "cudnn"))
+    return dict(us=round(fl, 1), cudnn_us=round(cu, 1),
+                x_cudnn=round(cu / fl, 3))
+
+
+def user_steps(shapes=SHAPES, rounds=6, per_round=10, warm=5):
+    """One row per shape: a step as a user times it (`median_rounds`),
+    flashlab and cuDNN in alternating rounds, a CUDA event pair around
+    each round of `per_round` steps and a synchronize before it."""
+    import torch
+
+    out = []
+    for (b, h, n, d), impls in training_steps(shapes):
+        for step in impls.values():
+            for _ in range(warm):
+                step()
+        times = {name: [] for name in impls}
+        for _ in range(rounds):
+            for name, step in impls.items():
+                start, end = (torch.cuda.Event(enable_timing=True)
+                              for _ in range(2))
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(per_round):
+                    step()
+                end.record()
+                torch.cuda.synchronize()
+                times[name].append(start.elapsed_time(end))
+        found = median_rounds(times, per_round)
+        out.append(dict(B=b, H=h, N=n, d=d, **found))
+        print(f"B{b} H{h} N{n} d{d} a step as timed: flashlab "
+              f"{found['us']:8.1f} us, cuDNN {found['cudnn_us']:8.1f} us, "
+              f"{found['x_cudnn']:.2f}x cuDNN", flush=True)
+    return out
+
+
 def main(out, machine):
-    """Measure, write step_gaps.json under `out`, return the rows."""
+    """Measure, write step_gaps.json under `out` (`rows` and the steps as
+    timed, `user_steps`), return the rows."""
     found = rows()
+    steps = user_steps()
     with open(os.path.join(out, "step_gaps.json"), "w",
               encoding="utf-8") as f:
-        json.dump(dict(machine=machine, rows=found), f, indent=1)
+        json.dump(dict(machine=machine, rows=found, steps=steps), f,
+                  indent=1)
     return found
