@@ -1043,3 +1043,95 @@ register("dq_turn", Exercise(
       "ends at the block holding key i1 - 1 + offset", _turn_first_row),
      ("a block outside the run adds nothing: it takes no turn (-1)",
       _turn_always))))
+
+# ------------------------------------------------------- dq_needs_zeros
+
+
+def _cases_dq_needs_zeros(rng):
+    # (name, nq, nk, causal, offset as "top_left" 0 or "bottom_right"
+    # nk - nq, window)
+    named = [
+        ("no rule: every row sees every key", 300, 700, False, "top_left",
+         None),
+        ("causal, as many queries as keys", 1000, 1000, True, "top_left",
+         None),
+        ("causal from the bottom right, more queries than keys: the first "
+         "two tiles see nothing", 200, 70, True, "bottom_right", None),
+        ("causal from the bottom right: the first tile's last rows see "
+         "keys", 100, 40, True, "bottom_right", None),
+        ("a window of 20 keys back, top left, more queries than keys: the "
+         "last rows see nothing", 1000, 129, False, "top_left", (20, None)),
+        ("a window 5 keys ahead, bottom right", 300, 100, False,
+         "bottom_right", (None, 5)),
+        ("a single query and key", 1, 1, True, "bottom_right", None)]
+    for _ in range(8):
+        nq, nk = (int(x) for x in rng.integers(1, 700, 2))
+        window = (None, (int(rng.integers(0, 200)), None),
+                  (None, int(rng.integers(0, 200))))[int(rng.integers(3))]
+        named.append((f"random: {nq} queries, {nk} keys", nq, nk,
+                      bool(rng.integers(2)),
+                      ("top_left", "bottom_right")[int(rng.integers(2))],
+                      window))
+    out = []
+    for name, nq, nk, causal, align, window in named:
+        offset = nk - nq if align == "bottom_right" else 0
+        rules = masks.Rules(causal, offset, window, None, None)
+        empty = rules.empty_rows((), nq, nk)  # row by row, independently
+        want = any(empty[i0:i0 + 64].all() for i0 in range(0, nq, 64))
+        left, right = rules.index().left, rules.index().right
+        out.append(Case(name, (nq, nk, 64, causal, offset, left, right),
+                        want))
+    return out
+
+
+def dq_needs_zeros(nq, nk, bq, causal, offset, left, right):
+    """Chapter 12: whether backward v9's float32 dQ must start as zeros,
+    every key valid: some tile of bq query rows (rows i0..i0 + bq - 1)
+    has no allowed key at all, so no key block takes a turn there and no
+    first turn stores it. Key j is allowed for row i where j <= i +
+    offset (causal), j >= i + offset - left and j <= i + offset + right
+    (a window side, where it is >= 0), and j < nk.
+
+    The tile's allowed keys, over all its rows, run from its first row's
+    lowest to its last row's highest, with no gap (the windows of
+    neighbouring rows overlap), so the key blocks' size does not enter.
+    """
+    for i0 in range(0, nq, bq):
+        i1 = min(i0 + bq, nq)
+        hi = nk - 1  # the tile's highest allowed key ...
+        if causal:
+            hi = min(hi, i1 - 1 + offset)
+        if right >= 0:
+            hi = min(hi, i1 - 1 + offset + right)
+        lo = max(0, i0 + offset - left) if left >= 0 else 0  # ... lowest
+        if lo > hi:
+            return True
+    return False
+
+
+def _zeros_never(nq, nk, bq, causal, offset, left, right):
+    return False
+
+
+def _zeros_by_row(nq, nk, bq, causal, offset, left, right):
+    # any row without keys, not any tile
+    return dq_needs_zeros(nq, nk, 1, causal, offset, left, right)
+
+
+def _zeros_first_tile(nq, nk, bq, causal, offset, left, right):
+    return dq_needs_zeros(min(nq, bq), nk, bq, causal, offset, left, right)
+
+
+register("dq_needs_zeros", Exercise(
+    12, "dq_needs_zeros(nq, nk, bq, causal, offset, left, right) -> bool: "
+    "whether backward v9's float32 dQ must be zeroed before the kernel "
+    "(every key valid), because some tile of bq query rows has no key "
+    "block whose first turn would store it",
+    _cases_dq_needs_zeros, dq_needs_zeros,
+    (("the first turn stores the whole tile, zeros in its rows without "
+      "keys: only a tile with no allowed key at all needs them",
+      _zeros_by_row),
+     ("a window that ends behind the diagonal leaves the last rows "
+      "without keys when queries outnumber keys", _zeros_first_tile),
+     ("a bottom-right mask with more queries than keys leaves the first "
+      "rows without keys", _zeros_never))))
