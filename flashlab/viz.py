@@ -1144,7 +1144,10 @@ V8_CALLS = {"mbarrier_init": "init", "arrive_expect_tx": "expect",
             "o_issue": "issue PV", "s_wait": "wait S",
             "s_wait_one": "wait S", "o_wait": "wait PV",
             "tile_softmax": "softmax", "plain_softmax": "softmax",
-            "rescale": "rescale", "to_a": "to_a"}
+            "rescale": "rescale", "to_a": "to_a",
+            # ping-pong: a consumer waits for its turn on a named barrier
+            # and passes it on (bar_arrive: consumer 0's first turn)
+            "my_turn": "turn", "next_turn": "pass", "bar_arrive": "pass"}
 
 
 def v8_barrier_names():
@@ -1164,7 +1167,7 @@ def v8_barrier_names():
     return out
 
 
-def v8_program(tiles=4, d=64, d_v=None, stops=None):
+def v8_program(tiles=4, d=64, d_v=None, stops=None, empty=False):
     """Chapter 12: {role: [Step, ...]} of forward_v8 over `tiles` K/V
     tiles at head dims d, d_v: what thread 0 of the producer warpgroup
     and each consumer warpgroup do, in order, read from the kernel's
@@ -1174,6 +1177,8 @@ def v8_program(tiles=4, d=64, d_v=None, stops=None):
     columns of Br rows for Q, Bc rows for K and V; forward_v8.tensor_maps).
     stops: {warpgroup: the last tile its rows reach} (the kernel's
     own_last, as under a causal mask), every tile where not given.
+    empty: the block visits none of the `tiles` (masks.tile_range's
+    (tiles, tiles - 1), rows a bottom-right mask leaves without keys).
     """
     import ast
     import inspect
@@ -1240,6 +1245,14 @@ def v8_program(tiles=4, d=64, d_v=None, stops=None):
             tensor = value(args[1], ns) // 128  # 0, 1, 2: Q, K, V maps
             return Step(what, value(args[5], ns) // 8,
                         ("QKV"[tensor], 2 * v8.PANEL * box_rows[tensor]))
+        if what == "turn":  # my_turn(wg): named barrier TURN + wg
+            return Step(what, v8.TURN + value(args[0], ns)) \
+                if v8.PING_PONG else None
+        if what == "pass":  # next_turn(wg), or bar_arrive(barrier, count)
+            if called(call) == "bar_arrive":
+                return Step(what, value(args[0], ns))
+            nxt = (value(args[0], ns) + 1) % v8.groups(d, d_v)
+            return Step(what, v8.TURN + nxt) if v8.PING_PONG else None
         if what.startswith("issue"):  # the stage its descriptor reads:
             # (its address - stage 0's) / one stage's step
             step_ = ns["k_next" if what == "issue S" else "v_next"]
@@ -1286,9 +1299,10 @@ def v8_program(tiles=4, d=64, d_v=None, stops=None):
                   for g in range(v8.groups(d, d_v))})
     out = {}
     for role, t in roles.items():
-        own = (stops or {}).get(t // 128 - 1, tiles - 1)
-        ns = {**names, "t": t, "w": t // 32, "lane": 0, "first": 0,
-              "last": tiles - 1, "own_last": own, "bars": 0,
+        own = (stops or {}).get(t // 128 - 1, -1 if empty else tiles - 1)
+        ns = {**names, "t": t, "w": t // 32, "lane": 0,
+              "first": tiles if empty else 0, "last": tiles - 1,
+              "own_last": own, "bars": 0, "wg": t // 128 - 1,
               "maps_at": 0, "q_desc": 0,
               "k_desc": 0, "v_desc": 0, "k_next": 1, "v_next": 1,
               # the block placed at head 0, rank 0 of one head
@@ -1336,6 +1350,7 @@ def v8_timeline(program, costs=None):
     roles = list(program)
     pc, now = dict.fromkeys(roles, 0), dict.fromkeys(roles, 0.0)
     bars, done, spans, handoffs = {}, {}, [], []
+    turns = {}  # named barrier -> [the time a pass arrived], until taken
     s_tile, p_tile = dict.fromkeys(roles, -1), dict.fromkeys(roles, -1)
     filled = {}  # tensor -> tiles whose bytes were expected so far
     tma_free = queue_free = 0.0
@@ -1362,13 +1377,18 @@ def v8_timeline(program, costs=None):
                 if passed is None:
                     continue
                 ready[r] = max(now[r], passed[0])
+            elif s.what == "turn":  # another's pass completes the phase
+                if not turns.get(s.bar):
+                    continue
+                ready[r] = max(now[r], turns[s.bar][0])
             else:
                 ready[r] = now[r]
         if not ready:
             stuck = "; ".join(
                 f"{r} waits on {names.get(next_step(r).bar)} parity "
-                f"{next_step(r).value}" for r in live
-                if next_step(r).what == "wait")
+                f"{next_step(r).value}" if next_step(r).what == "wait"
+                else f"{r} waits for turn {next_step(r).bar}"
+                for r in live if next_step(r).what in ("wait", "turn"))
             raise ValueError(f"v8 model: no role can go on ({stuck})")
         r = min(ready, key=lambda x: (ready[x], roles.index(x)))
         s, group = next_step(r), roles.index(r) - 1
@@ -1399,6 +1419,18 @@ def v8_timeline(program, costs=None):
             now[r] = ready[r]
         elif s.what == "arrive":
             bars[s.bar].arrive(now[r], r, arrivals=128)
+        elif s.what == "pass":  # 128 of the 256 threads of a phase
+            if turns.get(s.bar):
+                raise ValueError(f"v8 model: turn {s.bar} passed twice "
+                                 "in one phase (its 256 threads would "
+                                 "complete it with nobody waiting)")
+            turns[s.bar] = [now[r]]
+        elif s.what == "turn":
+            turns[s.bar].pop()
+            if ready[r] > now[r]:
+                spans.append(Span(r, "wait", group, s_tile[r] + 1, now[r],
+                                  ready[r]))
+            now[r] = ready[r]
         elif s.what.startswith("issue"):
             what = s.what.split()[1]
             if what == "S":

@@ -165,6 +165,8 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         e4m3_packs=text.count("cvt.rn.satfinite.e4m3x2.f32"),
         poly=text.count("max.ftz.NaN.f32"),
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
+        block_bars=text.count("bar.sync \\t0;"),
+        turns=text.count("bar.arrive"),
         setmaxnreg=text.count("setmaxnreg"),
         f64=ptx.float64_ops(text), local=ptx.local_bytes(text),
         shared=ptx.shared_bytes(text), exp=ptx.fast_exps(text),
@@ -271,8 +273,10 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
     # v7 copies with cp.async and meets at a block barrier per tile; v8's
     # producer issues TMA boxes (Q, K, V: d / 64 or d_v / 64 each, more in
     # the text where the compiler copies the loop), the only block
-    # barrier is the one after the mbarriers' set-up, and setmaxnreg
-    # moves registers both ways
+    # barrier is the one after the mbarriers' set-up, the consumers take
+    # turns on named barriers (ping-pong: each turn waited for is passed
+    # on, and consumer 0 gives itself the first), and setmaxnreg moves
+    # registers both ways
     for key, r in v7_report.items():
         d, dv = map(int, key.split()[2:])
         if key.startswith("v7"):
@@ -281,7 +285,9 @@ def test_v8_copies_by_tma_and_moves_registers(v7_report):
         else:
             box = 128 if "e4m3" in key else 64  # columns of a TMA box
             assert r["tma"] >= d // box + d // box + dv // box, (key, r)
-            assert r["copies"] == 0 and r["bars"] == 1, (key, r)
+            assert r["copies"] == 0 and r["block_bars"] == 1, (key, r)
+            turns = r["bars"] - r["block_bars"]
+            assert turns >= 2 and r["turns"] == turns + 1, (key, r)
             assert r["setmaxnreg"] == 2, (key, r)
             assert r["regs"] <= forward_v8.max_registers(d, dv), (key, r)
 

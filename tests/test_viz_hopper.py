@@ -288,3 +288,66 @@ def test_figures_draw():
                 viz.v8_figure(*viz.v8_timeline(viz.v8_program()))):
         assert fig.axes
         plt.close(fig)
+
+
+@pytest.mark.parametrize("d, stops", [(128, {}), (64, {}),
+                                      (64, {0: -1, 1: 0, 2: 2}),
+                                      (64, {0: 1, 1: 3})])
+def test_v8_consumers_take_every_turn_once(d, stops):
+    # ping-pong: a consumer waits for its turn before a tile's products
+    # and passes it on after them, once per tile after the first, even
+    # for the tiles it only hands back; consumer 0 gives itself the first
+    # turn, so every turn waited for is passed exactly once
+    if not forward_v8.PING_PONG:
+        pytest.skip("forward_v8.PING_PONG is off")
+    tiles = 5
+    program = viz.v8_program(tiles, d, stops=stops)
+    groups = forward_v8.groups(d, d)
+    waited, passed = {}, {}
+    for g in range(groups):
+        steps = program[f"warpgroup {g}"]
+        turns = [s.bar for s in steps if s.what == "turn"]
+        assert turns == [forward_v8.TURN + g] * (tiles - 1), (g, turns)
+        for s in steps:
+            if s.what == "pass":
+                passed[s.bar] = passed.get(s.bar, 0) + 1
+        waited[forward_v8.TURN + g] = len(turns)
+    first = forward_v8.TURN
+    assert passed == {b: n + (b == first) for b, n in waited.items()}
+    viz.v8_timeline(program)  # and nobody waits forever
+
+
+def test_v8_model_stops_without_the_first_turn():
+    # consumer 0 must give itself the first turn: without that arrival
+    # its named barrier never completes and no consumer issues again
+    program = viz.v8_program(4, 128)
+    steps = program["warpgroup 0"]
+    k = next(k for k, s in enumerate(steps) if s.what == "pass")
+    del steps[k]
+    with pytest.raises(ValueError, match="waits for turn"):
+        viz.v8_timeline(program)
+
+
+def test_v8_model_stops_when_an_early_stopper_skips_its_turns():
+    # a warpgroup that stops at its own last tile still takes the turns
+    # of the tiles it hands back: without them the next one waits forever
+    program = viz.v8_program(5, stops={0: 1})
+    steps = program["warpgroup 0"]
+    last_pv = max(k for k, s in enumerate(steps) if s.what == "issue PV")
+    program["warpgroup 0"] = steps[:last_pv + 1] + [
+        s for s in steps[last_pv + 1:] if s.what not in ("turn", "pass")]
+    with pytest.raises(ValueError, match="waits for turn"):
+        viz.v8_timeline(program)
+
+
+def test_v8_block_that_visits_no_tile_waits_for_nothing():
+    # rows that a bottom-right mask leaves without keys: tile_range gives
+    # (tiles, tiles - 1) and each warpgroup's own_last is -1. The block
+    # copies nothing, so its consumers must wait on no barrier (counting
+    # handed-back tiles from own_last + 1 = 0 waited on copies that never
+    # came: the kernel hung)
+    program = viz.v8_program(6, empty=True)
+    for role, steps in program.items():
+        assert [s.what for s in steps if s.what not in ("init",
+                                                        "barrier")] == []
+    viz.v8_timeline(program)

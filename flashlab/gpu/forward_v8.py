@@ -49,6 +49,8 @@ from flashlab.gpu.forward_v7 import (
     make_to_a,
 )
 from flashlab.gpu.intrinsics import (
+    bar_arrive,
+    bar_sync,
     global_address,
     pack_bf16x2,
     pack_e4m3x4,
@@ -99,6 +101,13 @@ BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
 # at bf16, d = 64, whose FMA pipe is the busier, slower (chapter 12)
 POLY = {("e4m3", 128): 6}
 E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
+# ping-pong (FlashAttention-3): the consumer warpgroups take turns to
+# issue a tile's two products, so one's softmax runs while another's
+# products hold the tensor cores, instead of all of them waiting on the
+# tensor cores together and then leaving them idle together. Named
+# barrier TURN + g is consumer g's turn; 0 is syncthreads'
+PING_PONG = True
+TURN = 1
 
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)
 
@@ -200,6 +209,21 @@ def make(D, D_V, kind="bf16"):
     s_wait_one = wait_for(1, NS * 4)  # S in; O += P V may still fly
     s_wait = wait_for(0, NS * 4)
     o_wait = wait_for(0, NO * 4, KP * 4)  # O, and P (its A operand)
+    GROUPS_HERE = groups(D, D_V)
+
+    @inline
+    def my_turn(g):
+        """Wait until consumer warpgroup g may issue: its barrier
+        completes with its own 128 threads and the previous one's
+        arrival."""
+        if PING_PONG:
+            bar_sync(int32(TURN + g), int32(256))
+
+    @inline
+    def next_turn(g):
+        """Hand the turn to the next consumer (round robin)."""
+        if PING_PONG:
+            bar_arrive(int32(TURN + (g + 1) % GROUPS_HERE), int32(256))
 
     @inline
     def run(q, k, v, o, lse, bad, rules, kv_len, mask, maps, out_scale):
@@ -274,6 +298,10 @@ def make(D, D_V, kind="bf16"):
                             full)
             return
         take()
+        wg = warp_uniform((w - 4) // 4)  # this consumer warpgroup
+        if wg == 0 and first < last:  # the first turn is consumer 0's
+            if PING_PONG:
+                bar_arrive(int32(TURN), int32(256))
         row = i0 + 16 * (w - 4) + lane // 4  # this lane's first row (g)
         # this warpgroup's 64 rows r0..r1-1 and the last tile they visit
         # (`own_last`): under a causal mask a block's last tiles are
@@ -281,7 +309,7 @@ def make(D, D_V, kind="bf16"):
         # and fewer tiles need a mask for 64 rows than for 192
         # (order.warpgroup_visits: at 1K, a quarter of the visits and
         # half of the masked ones go)
-        r0 = i0 + 64 * warp_uniform((w - 4) // 4)
+        r0 = i0 + 64 * wg
         r1 = min(r0 + 64, nq)
         own_last = min(last, last_tile(r1, nk, BC, rules, kv)) \
             if r0 < r1 else first - 1
@@ -329,9 +357,11 @@ def make(D, D_V, kind="bf16"):
             s, phase = n & 1, (n >> 1) & 1
             ps, p_phase = (n - 1) & 1, ((n - 1) >> 1) & 1  # tile jt - 1
             tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))
+            my_turn(wg)
             s_issue(sf, q_desc, k_desc + k_next * uint64(s))  # S_{i,j}
             tma.wait(bars + uint32(8 * (V_FULL + ps)), uint32(p_phase))
             o_issue(of, pf, v_desc + v_next * uint64(ps))  # += P V_{j-1}
+            next_turn(wg)
             s_wait_one(sf)
             tma.arrive(bars + uint32(8 * (K_EMPTY + s)))
             # the softmax of tile jt while P V of tile jt - 1 runs
@@ -360,8 +390,14 @@ def make(D, D_V, kind="bf16"):
             tma.arrive(bars + uint32(8 * (V_EMPTY + (n & 1))))
         # the block's tiles past its own: each stage handed back once it
         # is full (an arrival before then would count towards the stage's
-        # previous tile, whose readers may not all be done)
-        for jt in range(own_last + 1, last + 1):
+        # previous tile, whose readers may not all be done). A block that
+        # visits no tile (first > last) has none to hand back: its rows'
+        # own_last of -1 would count from tile 0 and wait for copies that
+        # never come
+        for jt in range(max(own_last + 1, first), last + 1):
+            if jt > first:  # every consumer takes each turn, or the
+                my_turn(wg)  # others would wait for it forever
+                next_turn(wg)
             n = jt - first
             s, phase = n & 1, (n >> 1) & 1
             tma.wait(bars + uint32(8 * (K_FULL + s)), uint32(phase))

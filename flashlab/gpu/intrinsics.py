@@ -337,6 +337,21 @@ def bar_sync(typingctx, barrier, count):
 
 
 @intrinsic
+def bar_arrive(typingctx, barrier, count):
+    """Arrive at named barrier `barrier` without waiting (bar.arrive): it
+    completes once `count` threads have arrived or synced there, so one
+    warpgroup can let another's bar_sync go on."""
+    sig = types.void(types.int32, types.int32)
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "bar.arrive $0, $1;", "r,r,~{memory}", None,
+             list(args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def cp_async16(typingctx, dst, src, nbytes):
     """Copy 16 bytes global -> shared without the registers (cp.async.cg).
 
