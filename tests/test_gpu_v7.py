@@ -137,6 +137,26 @@ def test_v8_warpgroups_stop_at_their_own_last_tile(rng, nq, nk, opts):
           "bfloat16", **opts)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_v8_blocks_that_visit_no_tile(rng, d, causal):
+    # an element whose keys are all padding (kv_lengths 0), and under a
+    # bottom-right mask with Nq > Nk the first blocks' rows: every block
+    # there visits no tile, and must wait for no copy (it had counted
+    # the tiles to hand back from own_last + 1 = 0 and hung); those rows
+    # are 0 with lse -inf, the others match float64
+    import torch
+
+    host = qkv(rng, (3, 2), 1100, 700, d, d, np.float32)
+    q, k, v = (torch.tensor(x, device="cuda").bfloat16() for x in host)
+    opts = dict(causal=causal, kv_lengths=np.array([[700], [0], [333]]))
+    o, lse = hopper(8, q, k, v, **opts)
+    o, lse = o.double().cpu().numpy(), lse.cpu().numpy()
+    assert np.all(o[1] == 0) and np.all(lse[1] == -np.inf)
+    inputs = [x.double().cpu().numpy() for x in (q, k, v)]
+    check(o, lse, *inputs, "bfloat16", **opts)
+
+
 def test_v7_matches_v5_closely(version, rng):
     # same tiles, same softmax: only the products' summation order differs
     import torch

@@ -290,16 +290,20 @@ def test_figures_draw():
         plt.close(fig)
 
 
+@pytest.fixture
+def ping_pong(monkeypatch):
+    """forward_v8 as built with its consumers' turns (PING_PONG)."""
+    monkeypatch.setattr(forward_v8, "PING_PONG", True)
+
+
 @pytest.mark.parametrize("d, stops", [(128, {}), (64, {}),
                                       (64, {0: -1, 1: 0, 2: 2}),
                                       (64, {0: 1, 1: 3})])
-def test_v8_consumers_take_every_turn_once(d, stops):
+def test_v8_consumers_take_every_turn_once(d, stops, ping_pong):
     # ping-pong: a consumer waits for its turn before a tile's products
     # and passes it on after them, once per tile after the first, even
     # for the tiles it only hands back; consumer 0 gives itself the first
     # turn, so every turn waited for is passed exactly once
-    if not forward_v8.PING_PONG:
-        pytest.skip("forward_v8.PING_PONG is off")
     tiles = 5
     program = viz.v8_program(tiles, d, stops=stops)
     groups = forward_v8.groups(d, d)
@@ -317,7 +321,15 @@ def test_v8_consumers_take_every_turn_once(d, stops):
     viz.v8_timeline(program)  # and nobody waits forever
 
 
-def test_v8_model_stops_without_the_first_turn():
+def test_v8_model_has_no_turns_where_the_kernel_has_none(monkeypatch):
+    monkeypatch.setattr(forward_v8, "PING_PONG", False)
+    program = viz.v8_program(4, 128)
+    assert not [s for steps in program.values() for s in steps
+                if s.what in ("turn", "pass")]
+    viz.v8_timeline(program)
+
+
+def test_v8_model_stops_without_the_first_turn(ping_pong):
     # consumer 0 must give itself the first turn: without that arrival
     # its named barrier never completes and no consumer issues again
     program = viz.v8_program(4, 128)
@@ -328,7 +340,7 @@ def test_v8_model_stops_without_the_first_turn():
         viz.v8_timeline(program)
 
 
-def test_v8_model_stops_when_an_early_stopper_skips_its_turns():
+def test_v8_model_stops_when_an_early_stopper_skips_its_turns(ping_pong):
     # a warpgroup that stops at its own last tile still takes the turns
     # of the tiles it hands back: without them the next one waits forever
     program = viz.v8_program(5, stops={0: 1})
@@ -348,6 +360,6 @@ def test_v8_block_that_visits_no_tile_waits_for_nothing():
     # came: the kernel hung)
     program = viz.v8_program(6, empty=True)
     for role, steps in program.items():
-        assert [s.what for s in steps if s.what not in ("init",
-                                                        "barrier")] == []
+        assert [s.what for s in steps if s.what not in (
+            "init", "barrier")] == [], role
     viz.v8_timeline(program)

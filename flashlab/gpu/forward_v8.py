@@ -102,11 +102,13 @@ BYTES = {"bf16": 2, "f16": 2, "e4m3": 1}  # bytes of an input value
 POLY = {("e4m3", 128): 6}
 E4M3_DIMS = (128,)  # e4m3 head dims: a row of K is one 128-byte panel
 # ping-pong (FlashAttention-3): the consumer warpgroups take turns to
-# issue a tile's two products, so one's softmax runs while another's
-# products hold the tensor cores, instead of all of them waiting on the
-# tensor cores together and then leaving them idle together. Named
-# barrier TURN + g is consumer g's turn; 0 is syncthreads'
-PING_PONG = True
+# issue a tile's two products, so that one's softmax runs while another's
+# products hold the tensor cores. Named barrier TURN + g is consumer g's
+# turn (0 is syncthreads'). Off: on the H200 the turns measured level
+# with none (chapter 12, the trials' record), and the warpgroups already
+# fall into turns on their own, the tensor cores taking one product at a
+# time; on, the kernel is built with them (tests/test_gpu_ptx.py)
+PING_PONG = False
 TURN = 1
 
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)
