@@ -276,6 +276,31 @@ def test_chapter12_parities_are_the_ones_forward_v8_waits_on():
     assert got[:, 1].tolist() == waits("producer", "K empty")
 
 
+def test_chapter12_handed_back_is_what_the_v8_model_hands_back():
+    # the worked answer against the kernel's own steps, read from its
+    # source: after a warpgroup's last product (or from its start, where
+    # it has none), one wait on K full for each tile it hands back
+    from flashlab import viz
+
+    handed = exercises.solution("handed_back")
+    names = viz.v8_barrier_names()
+    tiles = 6
+    for empty, stops in ((False, {}), (False, {0: 1, 1: 3}),
+                         (False, {0: -1, 1: 0, 2: 2}), (True, {})):
+        program = viz.v8_program(tiles, stops=stops, empty=empty)
+        first, last = (tiles, tiles - 1) if empty else (0, tiles - 1)
+        for g in range(3):
+            steps = program[f"warpgroup {g}"]
+            own = stops.get(g, -1 if empty else tiles - 1)
+            issued = [k for k, s in enumerate(steps)
+                      if s.what.startswith("issue")]
+            after = steps[issued[-1] + 1:] if issued else steps
+            back = [s for s in after if s.what == "wait"
+                    and names[s.bar].startswith("K full")]
+            assert len(back) == len(handed(first, last, own)), (
+                empty, stops, g)
+
+
 def test_chapter12_a_near_miss_fails():
     # one register off, one slot off, one field off: each is refused
     def register_off(i, j):

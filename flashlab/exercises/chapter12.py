@@ -1135,3 +1135,78 @@ register("dq_needs_zeros", Exercise(
       "without keys when queries outnumber keys", _zeros_first_tile),
      ("a bottom-right mask with more queries than keys leaves the first "
       "rows without keys", _zeros_never))))
+
+# --------------------------------------------------------- handed_back
+
+
+def _cases_handed_back(rng):
+    # blocks of 192 rows (forward v8 at d = 64: three warpgroups of 64),
+    # tiles of 128 keys, each warpgroup's own_last as the kernel finds it
+    out = []
+    for name, nq, nk, causal, kv in (
+            ("causal, square", 1000, 1000, True, None),
+            ("bottom right, more queries than keys: whole blocks without "
+             "keys", 1024, 700, "bottom_right", None),
+            ("bottom right, fewer queries than keys", 300, 1030,
+             "bottom_right", None),
+            ("no mask, padding: 0 valid keys", 500, 700, False, 0),
+            ("causal, padding: 333 valid keys", 900, 700, True, 333)):
+        rules = masks.rules(causal, None, None, None, (), nq, nk).index()
+        kv_len = nk if kv is None else kv
+        for i0 in range(0, nq, 192):
+            first, last = masks.tile_range(i0, min(i0 + 192, nq), nk, 128,
+                                           rules, kv_len)
+            for g in range(3):
+                r0, r1 = i0 + 64 * g, min(i0 + 64 * g + 64, nq)
+                own = min(last, masks.last_tile(r1, nk, 128, rules,
+                                                kv_len)) \
+                    if r0 < r1 else first - 1
+                want = np.arange(max(own + 1, first), last + 1)
+                out.append(Case(f"{name}: rows {i0}.., warpgroup {g}",
+                                (first, last, own), want))
+    for _ in range(6):  # and bounds of any size
+        first = int(rng.integers(0, 50))
+        last = first + int(rng.integers(-1, 50))
+        own = int(rng.integers(first - 1, last + 1))
+        out.append(Case(f"random: tiles {first}..{last}, own {own}",
+                        (first, last, own),
+                        np.arange(own + 1, last + 1)))
+    return out
+
+
+def handed_back(first, last, own_last):
+    """Chapter 12: the tiles a consumer warpgroup of forward v8 waits for
+    only to hand back unread: those of its block's run first..last past
+    the last tile its own rows reach, own_last.
+
+    A block that visits no tile has first > last (masks.tile_range gives
+    (tiles, tiles - 1)), and a warpgroup whose rows see no key has
+    own_last -1 (masks.last_tile), or first - 1 where it has no rows.
+    """
+    return np.arange(max(own_last + 1, first), last + 1)
+
+
+def _handed_from_own(first, last, own_last):
+    return np.arange(own_last + 1, last + 1)
+
+
+def _handed_every(first, last, own_last):
+    return np.arange(first, last + 1)
+
+
+def _handed_short(first, last, own_last):
+    return np.arange(max(own_last + 1, first), last)
+
+
+register("handed_back", Exercise(
+    12, "handed_back(first, last, own_last) -> (n,) int: the tiles a "
+    "consumer warpgroup of forward v8 waits for only to hand back, past "
+    "its own last tile in its block's run first..last",
+    _cases_handed_back, handed_back,
+    (("a block that visits no tile has first > last and nothing to hand "
+      "back; counting from own_last + 1 = 0 waits for copies that never "
+      "come (the kernel hangs)", _handed_from_own),
+     ("the tiles up to own_last are the warpgroup's own: it multiplies "
+      "them, it does not hand them back", _handed_every),
+     ("the run includes its last tile: first..last inclusive",
+      _handed_short))))
