@@ -17,6 +17,7 @@ from flashlab import bench, costs, measured, reference
 from flashlab.bench import (
     cli,
     cpu,
+    forward_rounds,
     gpt,
     host,
     report,
@@ -348,7 +349,8 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     with open(tmp_path / "bench.csv") as f:
         assert f.read().strip() == ",".join(report.FIELDS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for flag in ("--host", "--training", "--gpt", "--step-gaps"):
+    for flag in ("--host", "--training", "--gpt", "--step-gaps",
+                 "--forward-rounds"):
         with pytest.raises(SystemExit):
             bench.main([flag, "--out", str(tmp_path)])
         assert "no CUDA device" in capsys.readouterr().err
@@ -358,7 +360,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     for flag in ("--cpu", "--no-gpu", "--quick", "--out", "--tensor-cores",
                  "--backward-only", "--decode", "--ring", "--ceilings",
                  "--versions", "--host", "--training", "--gpt", "--hopper",
-                 "--fp8-only", "--step-gaps"):
+                 "--fp8-only", "--step-gaps", "--forward-rounds"):
         assert flag in out
     with pytest.raises(SystemExit):
         bench.main(["--fp8-only", "--out", str(tmp_path)])
@@ -460,3 +462,32 @@ def test_step_gaps_median_rounds_is_the_median_round_a_step():
         step_gaps.median_rounds({"flashlab": [1.0]}, 10)
     with pytest.raises(ValueError, match="per_round"):
         step_gaps.median_rounds({"flashlab": [1.0], "cudnn": [1.0]}, 0)
+
+
+def test_forward_rounds_takes_each_median_round_a_call():
+    # ms per round of 10 calls: each impl's median round, a tenth of it
+    got = forward_rounds.per_call_ms(
+        {"flashlab": [6.0, 5.0, 9.0], "cudnn": [4.5, 4.0, 4.2, 4.0],
+         "flash": [8.0]}, 10)
+    assert got == {"flashlab": 0.6, "cudnn": 0.41, "flash": 0.8}
+    with pytest.raises(ValueError, match="rounds_ms"):
+        forward_rounds.per_call_ms({"flashlab": [1.0], "cudnn": []}, 10)
+    with pytest.raises(ValueError, match="per_round"):
+        forward_rounds.per_call_ms({"flashlab": [1.0]}, 0)
+
+
+def test_forward_rounds_rows_count_the_forwards_flops():
+    # B2 H8 N16K d128: 4 B H N^2 d FLOPs, half of them under a causal
+    # mask; the ratios are cuDNN's and flash's time over flashlab's
+    shape = (2, 8, 16384, 128, True)
+    ms = {"flashlab": 2.0, "cudnn": 2.2, "flash": 3.0}
+    got = forward_rounds.row(shape, ms)
+    flop = 4 * 2 * 8 * 16384**2 * 128 / 2
+    assert got == dict(B=2, H=8, N=16384, d=128, causal=True,
+                       flashlab_tflops=round(flop / 2e-3 / 1e12, 1),
+                       cudnn_tflops=round(flop / 2.2e-3 / 1e12, 1),
+                       flash_tflops=round(flop / 3e-3 / 1e12, 1),
+                       x_cudnn=1.1, x_flash=1.5)
+    assert {s[:4] for s in forward_rounds.SHAPES} == {
+        (2, 8, 16384, 64), (2, 8, 16384, 128), (2, 8, 4096, 64),
+        (2, 8, 4096, 128)}

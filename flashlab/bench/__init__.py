@@ -4,7 +4,7 @@
     python -m flashlab.bench --tensor-cores [--backward-only] | --decode
     python -m flashlab.bench --ring | --ceilings
     python -m flashlab.bench [--host] [--training] [--gpt] [--quick]
-    python -m flashlab.bench --step-gaps
+    python -m flashlab.bench --step-gaps | --forward-rounds
 
 Each benchmark is a suite, one module each, written as data: its cases
 (shape, pass, the implementations timed and the torch baseline every
@@ -18,7 +18,9 @@ and memory), `decode` (split-KV, decode.csv), `ring` (ring attention
 over NCCL, ring.json), `host` (host microseconds per call, host.csv),
 `training` (bf16 training shapes against flash and cuDNN, training.csv)
 and `gpt` (a small GPT's training step, gpt.csv); `step_gaps` profiles
-a training step's kernels for the GPU's idle time (step_gaps.json).
+a training step's kernels for the GPU's idle time (step_gaps.json), and
+`forward_rounds` times the bf16 forward against cuDNN and flash in
+alternating rounds (forward_rounds.json).
 Times are medians after warm-up; FLOPs are 4 B H N^2 d for the forward
 and 10 B H N^2 d for the backward, halved when causal. Every run prints
 its table with the ratios to torch. Timings are never asserted anywhere:

@@ -7,6 +7,7 @@ from flashlab.bench import (
     cpu,
     decode,
     extras,
+    forward_rounds,
     gpt,
     hopper,
     host,
@@ -70,6 +71,10 @@ def main(argv=None):
     ap.add_argument("--step-gaps", action="store_true",
                     help="where a bf16 training step leaves the GPU idle, "
                          "flashlab against cuDNN (step_gaps.json)")
+    ap.add_argument("--forward-rounds", action="store_true",
+                    help="the bf16 forward at B2 H8, N 4096 and 16384, "
+                         "against SDPA's cuDNN and flash in alternating "
+                         "rounds (forward_rounds.json)")
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
@@ -111,6 +116,9 @@ def main(argv=None):
     if args.step_gaps:
         _need_cuda(ap)
         return step_gaps.main(args.out, report.machine())
+    if args.forward_rounds:
+        _need_cuda(ap)
+        return forward_rounds.main(args.out, report.machine())
     if args.decode:
         return measure(decode.suite(), args.out)
     if args.host or args.training or args.gpt:
