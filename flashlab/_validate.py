@@ -71,7 +71,9 @@ def check_scale(scale, d, dtype=None):
         )
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
-    if dtype is not None and abs(scale) > float(np.finfo(dtype).max):
+    # compared as a Python float: a numpy float32 scale against float64's
+    # bound would cast the bound to float32 (and warn of an overflow)
+    if dtype is not None and abs(float(scale)) > float(np.finfo(dtype).max):
         raise ValueError(
             f"scale: expected a number that {np.dtype(dtype)} (q's dtype) "
             f"holds, at most {np.finfo(dtype).max:.4g} in size, got "

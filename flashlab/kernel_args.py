@@ -70,7 +70,13 @@ def flatten(q, k, v, options, added=False):
     args.added, with no boolean mask (its -inf entries refuse); else
     such a mask is refused.
     """
-    shapes = [tuple(np.shape(x)) for x in (q, k, v)]  # lists too
+    shapes = []  # as given, lists too (plan may broadcast them)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        try:
+            shapes.append(tuple(np.shape(x)))
+        except ValueError:  # numpy's words for ragged nested lists
+            raise ValueError(f"{name}: expected an array of one shape, "
+                             f"got ragged sequences") from None
     q, k, v, plan = tiled.plan(q, k, v, **options)
     group = kernel_group(*shapes)
     if group > 1 and plan.group == 1:  # one K/V head, broadcast by plan

@@ -292,7 +292,7 @@ def rules(causal, window, kv_lengths, mask, batch_shape, nq, nk,
     is_causal = causal is not None and causal is not False
     kv_lengths = _check_lengths(kv_lengths, batch_shape, nk)
     offset = nk - nq if align == "bottom_right" else 0
-    window = _check_window(window)
+    window = check_window(window)
     if window is not None:  # a side past both lengths bounds nothing
         window = tuple(None if w is not None and w >= nq + nk else w
                        for w in window)
@@ -323,7 +323,9 @@ def _span(span, size):
     return slice(None) if size == 1 else slice(span.start, span.stop)
 
 
-def _check_window(window):
+def check_window(window):
+    """Return window as (left, right), each an int >= 0 or None; None
+    stays None; anything else is refused, naming `window`."""
     if window is None:
         return None
     ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(

@@ -88,6 +88,10 @@ def merge(a, b):
 
 def _check_same_rows(a, b):
     """Summaries merge row by row: their shapes must agree exactly."""
+    for name, x in (("a", a), ("b", b)):
+        if not isinstance(x, Summary):
+            raise TypeError(f"{name}: expected a merge.Summary, got "
+                            f"{type(x).__name__}")
     for name in Summary._fields:
         sa, sb = np.shape(getattr(a, name)), np.shape(getattr(b, name))
         if sa != sb:
@@ -118,6 +122,9 @@ def combine(outs, lses, ls=None):
         if ls.shape != lses.shape:
             raise ValueError(f"ls: expected shape {lses.shape} (one per "
                              f"split and row, as lses), got {ls.shape}")
+        if (ls < 0).any():  # a sum of exponentials; NaN passes as NaN
+            raise ValueError(f"ls: expected denominators >= 0, got "
+                             f"{ls[ls < 0].min()!r} among them")
     if outs.ndim < 2:
         raise ValueError(f"outs: expected (S, ..., d_v), one normalized "
                          f"output per split, got shape {outs.shape}")

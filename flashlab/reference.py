@@ -18,7 +18,8 @@ def softmax(s):
     m = s.max(axis=-1, keepdims=True)
     e = np.exp(s - np.where(np.isneginf(m), 0, m))  # masked -> exp(-inf) = 0
     total = e.sum(axis=-1, keepdims=True)
-    return e / np.where(total > 0, total, 1)
+    # a NaN total (a NaN or +inf score) makes the whole row NaN
+    return e / np.where((total > 0) | np.isnan(total), total, 1)
 
 
 def logsumexp(s):
@@ -87,6 +88,9 @@ def naive(q, k, v, *, scale=None, causal=False, mask=None, window=None,
             p = np.where(keep, p / (1 - dropout_p), 0)
         o = p @ v  # (..., Nq, dv)
         lse = logsumexp(s)
+    # a row whose denominator is NaN is NaN whatever dropout keeps: P's
+    # NaN entries may all be dropped, and a kernel's sum / l is NaN
+    o[np.isnan(lse)] = np.nan
     empty = masks.rules(causal, window, kv_lengths, mask, q.shape[:-2],
                         q.shape[-2], k.shape[-2], align).empty_rows(
         q.shape[:-2], q.shape[-2], k.shape[-2])

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flashlab import tiled, varlen
+from flashlab import masks, tiled, varlen
 from flashlab._validate import check_flag
 
 _DTYPES = {"cpu": (torch.float32, torch.float64),
@@ -372,11 +372,18 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
         _check_mask_dtype(mask, q)
         _host_numpy("attn_mask", mask.reshape(-1)[:0])  # device check
     elif mask is not None:  # numpy or nested lists, as tiled takes
-        mask = torch.as_tensor(np.asarray(mask))
+        host = np.asarray(mask)
+        if host.dtype != np.bool_ and host.dtype.kind != "f":
+            raise TypeError(f"attn_mask: expected a boolean or float "
+                            f"mask, got dtype {host.dtype}")
+        mask = torch.as_tensor(host)
     if kv_lengths is not None:
-        if isinstance(kv_lengths, torch.Tensor):
-            _host_numpy("kv_lengths", kv_lengths[:0])  # device check
+        if isinstance(kv_lengths, torch.Tensor):  # device check; a 0-d
+            # tensor (one length for all) has no slice of its own
+            _host_numpy("kv_lengths", kv_lengths.reshape(-1)[:0])
         kv_lengths = torch.as_tensor(kv_lengths)
+    if window is not None:  # named here: the options travel as JSON
+        window = masks.check_window(window)
     q, k, v = _broadcast(q, k, v, check_flag("enable_gqa", enable_gqa))
     seed_t = None
     if dropout_p and seed is None:  # torch's generator: manual_seed

@@ -591,3 +591,83 @@ def test_ragged_lists_numpy_bools_and_scales_past_the_dtype(rng):
     s = q @ q.T
     want = q[np.argmax(s, axis=-1)]
     assert np.max(np.abs(big - want)) < 1e-12
+
+
+DROPOUT = [(n, f) for n, f in BACKENDS if n != "dense"]  # dense has none
+
+
+@pytest.mark.parametrize("name, fn", DROPOUT, ids=[n for n, _ in DROPOUT])
+def test_a_dropped_overflow_is_nan_never_a_zero(name, fn):
+    # +inf in k overflows key 0's score: the row's denominator is NaN,
+    # and dropping that key must not leave a finite row (the reference
+    # had divided first and then dropped the one NaN term, giving 0)
+    q = np.ones((1, 16))
+    k = np.zeros((2, 16))
+    k[0, 0] = np.inf
+    v = np.ones((2, 16))
+    opts = dict(dropout_p=0.5, seed=4)
+    from flashlab import dropout
+
+    keep = dropout.make(0.5, 4, ()).keep(range(1), range(2))
+    assert keep.tolist() == [[False, True]]  # key 0 dropped, 1 kept
+    o_ref, lse_ref = reference.attention(q, k, v, return_lse=True, **opts)
+    assert np.isnan(o_ref).all() and np.isnan(lse_ref).all()
+    check_same_nans(q, k, v, fn, **opts)
+
+
+def test_reference_softmax_of_an_overflowed_row_is_nan():
+    p = reference.softmax(np.array([[np.inf, 0.0, -1.0], [0.0, 1.0, 2.0]]))
+    assert np.isnan(p[0]).all() and np.allclose(p[1].sum(), 1)
+
+
+def test_a_numpy_float32_scale_is_read_without_a_warning(rng):
+    import warnings
+
+    x = rng.standard_normal((1, 4, 4))
+    want = tiled.attention(x, x, x, scale=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for attend in (tiled.attention, cpu.attention):
+            got = attend(x, x, x, scale=np.float32(0.5))
+            assert np.max(np.abs(got - want)) < 1e-12
+
+
+def test_merge_names_a_bad_summary_and_negative_denominators():
+    a = merge.summarize(np.zeros((3, 4)), np.ones((4, 2)))
+    with pytest.raises(TypeError, match="b: expected a merge.Summary"):
+        merge.merge(a, None)
+    with pytest.raises(TypeError, match="a: expected a merge.Summary"):
+        merge.merge((a.m, a.l, a.u), a)
+    outs, ms = np.ones((2, 1, 2)), np.zeros((2, 1))
+    with pytest.raises(ValueError, match="ls: expected denominators >= 0"):
+        merge.combine(outs, ms, np.array([[1.0], [-1.0]]))
+    # a NaN denominator is not refused: it comes out as NaN
+    out, m, l = merge.combine(outs, ms, np.array([[1.0], [np.nan]]))
+    assert np.isnan(out).all() and np.isnan(l).all()
+
+
+def test_torch_names_its_window_and_takes_one_length_as_a_tensor(rng):
+    q = torch.from_numpy(rng.standard_normal((2, 3, 5, 4)))
+    for bad in (3, {1: 2}, "12"):
+        with pytest.raises(ValueError, match="window: expected"):
+            fl_torch.attention(q, q, q, window=bad)
+    want = reference.attention(*(q.numpy(),) * 3, kv_lengths=4)
+    got = fl_torch.attention(q, q, q, kv_lengths=torch.tensor(4))
+    assert np.max(np.abs(got.numpy() - want)) < 1e-12
+
+
+def test_ragged_lists_and_string_masks_are_named(rng):
+    k = np.ones((3, 2))
+    with pytest.raises(ValueError, match="q: expected an array of one "
+                                         "shape, got ragged"):
+        cpu.attention([[1.0, 2.0], [3.0]], k, k)
+    q = torch.from_numpy(rng.standard_normal((5, 4)))
+    with pytest.raises(TypeError, match="attn_mask: expected a boolean or "
+                                        "float mask"):
+        fl_torch.attention(q, q, q, attn_mask=np.array([["a"] * 5] * 5))
+    # numpy masks of either kind still work
+    keep = rng.random((5, 5)) < 0.7
+    keep[:, 0] = True
+    want = reference.attention(*(q.numpy(),) * 3, mask=keep)
+    got = fl_torch.attention(q, q, q, attn_mask=keep)
+    assert np.max(np.abs(got.numpy() - want)) < 1e-12
