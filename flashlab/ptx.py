@@ -55,6 +55,11 @@ def tensor_ops(ptx):
     return len(re.findall(r"\bmma\.sync\b", ptx))
 
 
+def wide_loads(ptx):
+    """Number of 16-byte loads from global memory (ld.global...v4)."""
+    return len(re.findall(r"\bld\.global(?:\.nc)?\.v4\.", ptx))
+
+
 def local_bytes(ptx):
     """Bytes of local memory (register arrays the compiler could not keep
     in registers) that the PTX declares, before ptxas adds spills."""
@@ -116,10 +121,10 @@ def arch_name(cc):
 
 
 def report(head_dims=HEAD_DIMS, only=()):
-    """{"kernel d dv": {"f64", "shared", "exp", "mma", "wgmma", "local",
-    "regs", "stack", "spill"}} for every GPU kernel (or those whose names start
-    with one of `only`); the last three from `assemble`, None where no
-    ptxas is installed."""
+    """{"kernel d dv": {"f64", "shared", "exp", "mma", "wgmma", "wide",
+    "local", "regs", "stack", "spill"}} for every GPU kernel (or those
+    whose names start with one of `only`); the last three from
+    `assemble`, None where no ptxas is installed."""
     from flashlab import gpu
 
     tool = ptxas()
@@ -138,6 +143,7 @@ def report(head_dims=HEAD_DIMS, only=()):
                                        "exp": fast_exps(ptx),
                                        "mma": tensor_ops(ptx),
                                        "wgmma": ptx.count("wgmma.mma_async"),
+                                       "wide": wide_loads(ptx),
                                        "local": local_bytes(ptx),
                                        **(assemble(ptx, HOPPER) if tool else
                                           dict.fromkeys(ASSEMBLED))}

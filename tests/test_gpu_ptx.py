@@ -45,6 +45,41 @@ def test_forward_kernels_use_fast_float32_exp(report):
             assert r["exp"] > 0, key
 
 
+def test_bandwidth_kernels_load_16_bytes_into_registers():
+    # row_dot16 and find_bad_parts (helpers: not in the report) read with
+    # ld.global.nc.v4 and keep what they loaded in registers: no local
+    # arrays, and no spill where ptxas is installed
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = ("row_dot_bf16", "row_dot_f16", "find_bad_parts32",
+             "find_bad_parts16", "find_bad_parts8")
+    code = ("import json; from flashlab import ptx; "
+            "from flashlab.gpu import build; out = {}\n"
+            f"for name in {names!r}:\n"
+            "    text = build.compile_ptx(name, 0, 0, ptx.HOPPER)\n"
+            "    out[name] = [ptx.wide_loads(text), ptx.local_bytes(text),"
+            " ptx.assemble(text, ptx.HOPPER)['spill'] if ptx.ptxas() "
+            "else 0]\n"
+            "print(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items()
+           if k != "NUMBA_ENABLE_CUDASIM"}
+    found = json.loads(subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True,
+        text=True, check=True).stdout)
+    for name, (wide, local, spill) in found.items():
+        assert wide > 0 and local == 0 and not spill, (name, found)
+
+
+def test_counting_wide_loads():
+    text = ("ld.global.nc.v4.u32 {%r1,%r2,%r3,%r4}, [%rd1];\n"
+            "ld.global.v4.f32 {%f1,%f2,%f3,%f4}, [%rd2];\n"
+            "ld.global.nc.u32 %r5, [%rd3];\nld.shared.v4.u32 {}, [%r6];")
+    assert ptx.wide_loads(text) == 2
+
+
 def test_tensor_core_kernels_use_mma_in_registers(report):
     # v5 and v6 multiply on the tensor cores, and their fragment arrays
     # stay in registers: no local memory in the PTX (ptxas spills are

@@ -14,6 +14,7 @@ import numpy as np
 from numba import config, cuda, float32, int32, uint32, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
+from flashlab.gpu.intrinsics import ld_global_nc_v4
 
 THREADS = 128  # threads per block of v1, v3, v4 and the blocked backward
 F0 = np.float32(0)
@@ -427,7 +428,7 @@ PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
 # C fragment's four lanes share rows and split the columns): bit 2 n + e
 # of word q is column 8 n + 2 q + e, the order the epilogue writes them
 QUADS = 4
-FIND_THREADS = 512  # per block of find_bad_parts: loads enough in flight
+FIND_THREADS = 256  # per block of find_bad_parts (faster than 512, 1024)
 # the bits of a value's exponent, all set in NaN and +-inf: float32's,
 # bf16's, float16's, and e4m3's (which has no inf; 0x7F, 0xFF are NaN)
 EXPONENT_BITS = {"float32": 0x7F800000, "bfloat16": 0x7F80,
@@ -480,9 +481,11 @@ def _find_bad_parts(width):
         flashlab.nonfinite's column rule in one launch: V comes as int32
         words (BH_kv, Nk, d_v width / 32), values not finite when every
         `exponent` bit is set (EXPONENT_BITS). Block (c, b) reads chunk c
-        of V[b]'s rows once: thread t keeps word column t % words, a
-        row of words per `words` threads, four loads in flight, and ORs
-        what it saw into its column's shared word at the end; then a
+        of V[b]'s rows once: each thread keeps four word columns, read
+        16 bytes at a time (ld_global_nc_v4: four-byte loads ran at half
+        the copy speed), words / 4 threads a row, two rows' loads in
+        flight, and ORs what it saw into its columns' shared words at
+        the end (words a multiple of 4: d_v a multiple of 16); then a
         thread per column sets its bit in the chunk's QUADS words, which
         the first QUADS threads write, set or not, so no memset runs
         first.
@@ -500,25 +503,35 @@ def _find_bad_parts(width):
         if t < QUADS:
             quads[t] = 0
         cuda.syncthreads()  # every word cleared before a thread ORs one
-        step = cuda.blockDim.x // words  # rows a pass of the block reads
-        if t < step * words:
-            w = t % words
-            bits = uint32(0)
-            r = r0 + t // words
-            while r + 3 * step < r1:  # independent loads, then the tests
-                x0, x1 = uint32(v[b, r, w]), uint32(v[b, r + step, w])
-                x2 = uint32(v[b, r + 2 * step, w])
-                x3 = uint32(v[b, r + 3 * step, w])
-                bits |= (bad_values(x0, exponents)
-                         | bad_values(x1, exponents)
-                         | bad_values(x2, exponents)
-                         | bad_values(x3, exponents))
-                r += 4 * step
-            while r < r1:
-                bits |= bad_values(uint32(v[b, r, w]), exponents)
-                r += step
-            if bits:
-                cuda.atomic.or_(seen, w, uint32(bits))
+        across = words // 4  # threads a row: 16 bytes, four words each
+        step = cuda.blockDim.x // across  # rows a pass of the block reads
+        if t < step * across:
+            w = 4 * (t % across)  # the thread's first word column
+            bits0 = bits1 = bits2 = bits3 = uint32(0)
+            r = r0 + t // across
+            while r + step < r1:  # two rows' loads, then the tests
+                x0, x1, x2, x3 = ld_global_nc_v4(v, (b, r, w))
+                y0, y1, y2, y3 = ld_global_nc_v4(v, (b, r + step, w))
+                bits0 |= (bad_values(uint32(x0), exponents)
+                          | bad_values(uint32(y0), exponents))
+                bits1 |= (bad_values(uint32(x1), exponents)
+                          | bad_values(uint32(y1), exponents))
+                bits2 |= (bad_values(uint32(x2), exponents)
+                          | bad_values(uint32(y2), exponents))
+                bits3 |= (bad_values(uint32(x3), exponents)
+                          | bad_values(uint32(y3), exponents))
+                r += 2 * step
+            if r < r1:
+                x0, x1, x2, x3 = ld_global_nc_v4(v, (b, r, w))
+                bits0 |= bad_values(uint32(x0), exponents)
+                bits1 |= bad_values(uint32(x1), exponents)
+                bits2 |= bad_values(uint32(x2), exponents)
+                bits3 |= bad_values(uint32(x3), exponents)
+            if bits0 | bits1 | bits2 | bits3:
+                cuda.atomic.or_(seen, w, bits0)
+                cuda.atomic.or_(seen, w + 1, bits1)
+                cuda.atomic.or_(seen, w + 2, bits2)
+                cuda.atomic.or_(seen, w + 3, bits3)
         cuda.syncthreads()  # the chunk's words complete before the bits
         if t < words * per and (seen[t // per] >> uint32(
                 width * (t % per) + width - 1)) & 1:

@@ -1115,10 +1115,10 @@ class _BackwardPlan:
         bits = [x.view(torch.int16) for x in (q, k, v, do)]
         self.rows = (bh, nq, d_v // 2)  # dO and O as 16-bit pairs
         self.row_dot = kernel(f"row_dot_{kind}", 0, 0).pack(
-            *(x.view(torch.int32).view(self.rows) for x in (do, o)),
-            self._delta(q))
+            *(x.view(torch.int32).view(bh * nq, d_v // 2)
+              for x in (do, o)), self._delta(q).view(bh * nq))
         self.row_grid = (math.ceil(nq / device.THREADS), bh)
-        self.dot_grid = (math.ceil(nq / warp.DOT_ROWS), bh)
+        self.dot_grid = warp.dot_grid(bh * nq, d_v)
         self.statistics = kernel(f"row_statistics_{kind}", 0, 0).pack(
             bits[0].view(bh, nq, d), bits[1].view(call.bh_kv, nk, d),
             lse.view(bh, nq), self._stats(q), *call.args)

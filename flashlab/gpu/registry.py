@@ -218,7 +218,7 @@ KERNELS = (
            "transpose8", (E4M3,),
            **dict(_HELPER, threads=forward_v8.transpose_threads(
                max(forward_v8.E4M3_DIMS)))),
-    # a warp per 4 rows at a time, warp.DOT_ROWS rows a block
+    # 16 bytes a lane, warp.dot_lanes a row, a grid-stride loop
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
              "row_dot16", (dtype,), **dict(_HELPER, threads=warp.THREADS))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
@@ -389,7 +389,8 @@ def argument_types(args):
         "row_dot": (a3, a3, a2),
         "norms": (a2, a2, a2),
         "sums": (a2, a2, a2),
-        "row_dot16": (int32[:, :, ::1], int32[:, :, ::1], a2),
+        # dO, O as (rows, d_v / 2) pairs, D (rows,)
+        "row_dot16": (int32[:, ::1], int32[:, ::1], float32[::1]),
         "find_bad": (a3, b2),
         "find_parts": (int32[:, :, ::1], parts, int64),  # V as words
         "transpose8": (uint32[:, :, ::1], uint32[:, :, ::1]),

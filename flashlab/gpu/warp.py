@@ -29,6 +29,7 @@ from flashlab.gpu.intrinsics import (
     ex2,
     ex2_poly,
     global_address,
+    ld_global_nc_v4,
     opaque,
     unpack_bf16x2,
     unpack_f16x2,
@@ -456,11 +457,8 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
     online_softmax(sf, m, l, al, tiles, rules, poly)
 
 
-DOT_PER_WARP = 4  # rows a warp of row_dot16 sums: 2 x 4 loads in flight
-# passes of a row_dot16 block: a block of one pass moved 4 KB at d_v = 64
-# and the GPU spent much of its time starting blocks
-DOT_PASSES = 8
-DOT_ROWS = THREADS // 32 * DOT_PER_WARP * DOT_PASSES  # rows of a block
+DOT_UNROLL = 4  # rows a lane of row_dot16 loads before it sums any
+DOT_BLOCKS = 2048  # most blocks of row_dot16: 16 an SM on 128 SMs
 
 
 @inline
@@ -471,6 +469,41 @@ def warp_total(acc):
         acc += cuda.shfl_xor_sync(FULL_MASK, acc, width)
         width //= 2
     return acc
+
+
+def dot_lanes(d_v):
+    """Lanes of row_dot16 that share a row of d_v 16-bit values: a lane
+    reads 16 bytes, eight values, of dO and of O; a power of two, so the
+    lanes of a row meet by shuffles."""
+    if d_v % 8 or not 8 <= d_v <= 256:
+        raise ValueError(f"d_v: expected a multiple of 8 in 8..256 for "
+                         f"row_dot16, got {d_v}")
+    lanes = 1
+    while lanes < d_v // 8:
+        lanes *= 2
+    return lanes
+
+
+def dot_grid(rows, d_v):
+    """row_dot16's grid for `rows` rows of d_v values (one dimension):
+    enough blocks of THREADS for every row, DOT_BLOCKS at most (each then
+    takes several turns: starting blocks cost more than the loop)."""
+    rows_a_block = THREADS // dot_lanes(d_v) * DOT_UNROLL
+    return (max(1, min(DOT_BLOCKS, math.ceil(rows / rows_a_block))),)
+
+
+def dot_place(warp, turn, u, lane, lanes, warps):
+    """(row, 16-byte piece of it) that `lane` of warp `warp` (of `warps`
+    in the grid) loads in load u of its turn `turn` of row_dot16, rows
+    shared by `lanes` lanes: a warp's load covers 32 / lanes rows, its
+    DOT_UNROLL loads the next ones, and the grid's warps then move on
+    together."""
+    per_load = 32 // lanes
+    base = (turn * warps + warp) * per_load * DOT_UNROLL
+    return base + u * per_load + lane // lanes, lane % lanes
+
+
+_dot_place = inline(dot_place)  # row_dot16's own
 
 
 def _row_dot16(unpack):
@@ -484,41 +517,49 @@ def _row_dot16(unpack):
 
     @cuda.jit
     def row_dot16(do, o, delta):
-        """D_i = rowsum(dO_i o O_i) in float32 from 16-bit pairs (BH, N,
-        d_v / 2): the backward's one preparation. A warp per
-        DOT_PER_WARP rows at a time, DOT_PASSES times over, blocks of
-        DOT_ROWS rows: lane x reads pairs x, x + 32, ... of each, so each
-        load of the warp is one contiguous 128-byte run, the rows' loads
-        are in flight together (one row a warp left the memory system
-        waiting on too few), and the lanes' sums meet by shuffles."""
-        b = cuda.blockIdx.y
+        """delta[r] = rowsum(dO_r o O_r) in float32 from 16-bit pairs
+        (rows, d_v / 2), the backward's one preparation (D). The lanes
+        of a row (dot_lanes) each take 16 bytes of it with ld.global.nc
+        .v4, so a warp's load is 512 contiguous bytes (four-byte loads
+        ran at half the copy speed); DOT_UNROLL rows' loads are in flight
+        before the first sum, and a row's lanes meet by shuffles. The
+        warps take turns over the rows until none is left (dot_place)."""
+        rows, words = do.shape
+        quads = words // 4  # a row's 16-byte pieces
+        lanes = 1
+        while lanes < quads:
+            lanes *= 2
         lane = cuda.threadIdx.x % 32
-        n = do.shape[1]
-        for p in range(DOT_PASSES):
-            i = (cuda.blockIdx.x * DOT_ROWS
-                 + (p * (THREADS // 32) + cuda.threadIdx.x // 32)
-                 * DOT_PER_WARP)
-            if i >= n:  # the whole warp or none of it; later passes too
-                break
-            acc0, acc1, acc2, acc3 = F0, F0, F0, F0
-            for x in range(lane, do.shape[2], 32):
-                acc0 += pair_dot(do[b, i, x], o[b, i, x])
-                if i + 1 < n:
-                    acc1 += pair_dot(do[b, i + 1, x], o[b, i + 1, x])
-                if i + 2 < n:
-                    acc2 += pair_dot(do[b, i + 2, x], o[b, i + 2, x])
-                if i + 3 < n:
-                    acc3 += pair_dot(do[b, i + 3, x], o[b, i + 3, x])
-            acc0, acc1 = warp_total(acc0), warp_total(acc1)
-            acc2, acc3 = warp_total(acc2), warp_total(acc3)
-            if lane == 0:
-                delta[b, i] = acc0
-            elif lane == 1 and i + 1 < n:
-                delta[b, i + 1] = acc1
-            elif lane == 2 and i + 2 < n:
-                delta[b, i + 2] = acc2
-            elif lane == 3 and i + 3 < n:
-                delta[b, i + 3] = acc3
+        warp = (cuda.blockIdx.x * cuda.blockDim.x
+                + cuda.threadIdx.x) // 32
+        warps = cuda.gridDim.x * cuda.blockDim.x // 32
+        a = cuda.local.array((DOT_UNROLL, 4), int32)  # dO's words
+        c = cuda.local.array((DOT_UNROLL, 4), int32)  # O's words
+        turn = 0
+        # the same test for every lane of the warp: its first row
+        while _dot_place(warp, turn, 0, 0, lanes, warps)[0] < rows:
+            for u in range(DOT_UNROLL):
+                r, x = _dot_place(warp, turn, u, lane, lanes, warps)
+                if r < rows and x < quads:
+                    a[u, 0], a[u, 1], a[u, 2], a[u, 3] = ld_global_nc_v4(
+                        do, (r, 4 * x))
+                    c[u, 0], c[u, 1], c[u, 2], c[u, 3] = ld_global_nc_v4(
+                        o, (r, 4 * x))
+                else:  # no piece of a row: adds 0 to the shuffles
+                    for e in range(4):
+                        a[u, e], c[u, e] = 0, 0
+            for u in range(DOT_UNROLL):
+                total = F0
+                for e in range(4):
+                    total += pair_dot(a[u, e], c[u, e])
+                width = lanes // 2
+                while width > 0:  # every lane: a full-mask shuffle
+                    total += cuda.shfl_xor_sync(FULL_MASK, total, width)
+                    width //= 2
+                r, x = _dot_place(warp, turn, u, lane, lanes, warps)
+                if x == 0 and r < rows:
+                    delta[r] = total
+            turn += 1
 
     return row_dot16
 

@@ -1,0 +1,93 @@
+"""warp.row_dot16, the backward's D = rowsum(dO o O): in CI, the places
+its lanes load and store (warp.dot_place, the function the kernel runs)
+cover every 16-byte piece of every row once and store every row once;
+on a GPU, each row's float32 sum against numpy's float64 of the same
+16-bit values, every entry of D written (it starts as NaN). The kernel's
+shuffles have no simulator form."""
+
+import numpy as np
+import pytest
+
+from flashlab.gpu import warp
+
+
+def places(rows, d_v, blocks):
+    """Every (row, piece) row_dot16 loads and every row it stores, as the
+    kernel's loop visits them (grid of `blocks`)."""
+    lanes = warp.dot_lanes(d_v)
+    quads = d_v // 8
+    warps = blocks * warp.THREADS // 32
+    loads, stores = [], []
+    for w in range(warps):
+        turn = 0
+        while warp.dot_place(w, turn, 0, 0, lanes, warps)[0] < rows:
+            for u in range(warp.DOT_UNROLL):
+                for lane in range(32):
+                    r, x = warp.dot_place(w, turn, u, lane, lanes, warps)
+                    if r < rows and x < quads:
+                        loads.append((r, x))
+                    if r < rows and x == 0:
+                        stores.append(r)
+            turn += 1
+    return loads, stores
+
+
+@pytest.mark.parametrize("rows, d_v, blocks", [
+    (1, 16, None), (37, 48, None), (70, 64, None), (1000, 128, None),
+    (1000, 128, 1), (333, 112, 2), (129, 32, 3)])
+def test_every_piece_loaded_and_row_stored_once(rows, d_v, blocks):
+    blocks = blocks or warp.dot_grid(rows, d_v)[0]
+    loads, stores = places(rows, d_v, blocks)
+    want = [(r, x) for r in range(rows) for x in range(d_v // 8)]
+    assert sorted(loads) == want
+    assert sorted(stores) == list(range(rows))
+
+
+def test_dot_grid():
+    # 16 lanes a row at d_v = 128: 2 rows a warp's load, 4 loads, 4 warps
+    assert warp.dot_lanes(128) == 16 and warp.dot_lanes(48) == 8
+    assert warp.dot_grid(32, 128) == (1,)
+    assert warp.dot_grid(33, 128) == (2,)
+    assert warp.dot_grid(10**8, 64) == (warp.DOT_BLOCKS,)
+
+
+@pytest.mark.parametrize("d_v", [4, 12, 264])
+def test_dot_lanes_names_d_v(d_v):
+    with pytest.raises(ValueError, match="d_v: expected a multiple of 8"):
+        warp.dot_lanes(d_v)
+
+
+def bits(x, kind):
+    """float64 x rounded to bf16 or float16: (the values as float64, their
+    16-bit patterns as int16)."""
+    if kind == "f16":
+        h = x.astype(np.float16)
+        return h.astype(np.float64), h.view(np.int16)
+    f = x.astype(np.float32).view(np.uint32)
+    top = ((f + 0x7FFF + ((f >> 16) & 1)) >> 16).astype(np.uint16)
+    wide = (top.astype(np.uint32) << 16).view(np.float32)
+    return wide.astype(np.float64), top.view(np.int16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("rows, d_v, blocks", [
+    (1, 16, None), (37, 48, None), (70, 64, None), (4099, 128, None),
+    (4099, 128, 1), (3000, 112, 5), (2**17 + 3, 64, None)])
+def test_rows_match_numpy(rng, kind, rows, d_v, blocks):
+    from numba import cuda
+
+    do, do_bits = bits(rng.standard_normal((rows, d_v)) * 3, kind)
+    o, o_bits = bits(rng.standard_normal((rows, d_v)), kind)
+    delta = cuda.to_device(np.full(rows, np.nan, np.float32))  # poison
+    grid = warp.dot_grid(rows, d_v) if blocks is None else (blocks,)
+    kernel = getattr(warp, f"row_dot_{kind}")
+    kernel[grid, warp.THREADS](cuda.to_device(do_bits.view(np.int32)),
+                               cuda.to_device(o_bits.view(np.int32)),
+                               delta)
+    got = delta.copy_to_host()
+    want = (do * o).sum(axis=1)
+    # float32 products of 16-bit values are exact; d_v float32 additions
+    # err by at most d_v ulps of the sum of |terms| (2^-24 each)
+    bound = d_v * 2.0**-24 * np.abs(do * o).sum(axis=1)
+    assert np.all(np.abs(got - want) <= bound)
