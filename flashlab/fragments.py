@@ -333,6 +333,33 @@ def core_copy_place(t, per_row, threads):
         threads // per_row
 
 
+ROW_DOT_UNROLL = 4  # rows a lane of row_dot16 loads before it sums any
+
+
+def row_dot_lanes(d_v):
+    """Lanes of row_dot16 that share a row of d_v 16-bit values: a lane
+    reads 16 bytes, eight values, of dO and of O; a power of two, so the
+    lanes of a row meet by shuffles."""
+    if d_v % 8 or not 8 <= d_v <= 256:
+        raise ValueError(f"d_v: expected a multiple of 8 in 8..256 for "
+                         f"row_dot16, got {d_v}")
+    lanes = 1
+    while lanes < d_v // 8:
+        lanes *= 2
+    return lanes
+
+
+def row_dot_place(warp, turn, u, lane, lanes, warps):
+    """(row, 16-byte piece of it) that `lane` of warp `warp` (of `warps`
+    in the grid) loads in load u of its turn `turn` of row_dot16, rows
+    shared by `lanes` lanes: a warp's load covers 32 / lanes rows, its
+    ROW_DOT_UNROLL loads the next ones, and the grid's warps then move
+    on together."""
+    per_load = 32 // lanes
+    base = (turn * warps + warp) * per_load * ROW_DOT_UNROLL
+    return base + u * per_load + lane // lanes, lane % lanes
+
+
 def descriptor(address, lbo, sbo):
     """wgmma's matrix descriptor (no swizzle) as an int: start address,
     leading (K-direction) and stride (M/N-direction) byte offsets between

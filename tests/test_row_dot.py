@@ -1,5 +1,5 @@
 """warp.row_dot16, the backward's D = rowsum(dO o O): in CI, the places
-its lanes load and store (warp.dot_place, the function the kernel runs)
+its lanes load and store (fragments.row_dot_place, which the kernel runs)
 cover every 16-byte piece of every row once and store every row once;
 on a GPU, each row's float32 sum against numpy's float64 of the same
 16-bit values, every entry of D written (it starts as NaN). The kernel's
@@ -8,22 +8,24 @@ shuffles have no simulator form."""
 import numpy as np
 import pytest
 
+from flashlab import fragments
 from flashlab.gpu import warp
 
 
 def places(rows, d_v, blocks):
     """Every (row, piece) row_dot16 loads and every row it stores, as the
     kernel's loop visits them (grid of `blocks`)."""
-    lanes = warp.dot_lanes(d_v)
+    lanes = fragments.row_dot_lanes(d_v)
+    place = fragments.row_dot_place
     quads = d_v // 8
     warps = blocks * warp.THREADS // 32
     loads, stores = [], []
     for w in range(warps):
         turn = 0
-        while warp.dot_place(w, turn, 0, 0, lanes, warps)[0] < rows:
-            for u in range(warp.DOT_UNROLL):
+        while place(w, turn, 0, 0, lanes, warps)[0] < rows:
+            for u in range(fragments.ROW_DOT_UNROLL):
                 for lane in range(32):
-                    r, x = warp.dot_place(w, turn, u, lane, lanes, warps)
+                    r, x = place(w, turn, u, lane, lanes, warps)
                     if r < rows and x < quads:
                         loads.append((r, x))
                     if r < rows and x == 0:
@@ -45,7 +47,8 @@ def test_every_piece_loaded_and_row_stored_once(rows, d_v, blocks):
 
 def test_dot_grid():
     # 16 lanes a row at d_v = 128: 2 rows a warp's load, 4 loads, 4 warps
-    assert warp.dot_lanes(128) == 16 and warp.dot_lanes(48) == 8
+    assert fragments.row_dot_lanes(128) == 16
+    assert fragments.row_dot_lanes(48) == 8
     assert warp.dot_grid(32, 128) == (1,)
     assert warp.dot_grid(33, 128) == (2,)
     assert warp.dot_grid(10**8, 64) == (warp.DOT_BLOCKS,)
@@ -54,7 +57,7 @@ def test_dot_grid():
 @pytest.mark.parametrize("d_v", [4, 12, 264])
 def test_dot_lanes_names_d_v(d_v):
     with pytest.raises(ValueError, match="d_v: expected a multiple of 8"):
-        warp.dot_lanes(d_v)
+        fragments.row_dot_lanes(d_v)
 
 
 def bits(x, kind):

@@ -1210,3 +1210,101 @@ register("handed_back", Exercise(
       "them, it does not hand them back", _handed_every),
      ("the run includes its last tile: first..last inclusive",
       _handed_short))))
+
+# ------------------------------------------------------- row_dot_reader
+
+
+def _row_dot_readers(rows, d_v, warps):
+    """{(row, piece): (warp, turn, u, lane)} from fragments.row_dot_place,
+    the kernel's own map, over every lane of a grid of `warps` warps."""
+    lanes = fragments.row_dot_lanes(d_v)
+    out = {}
+    for w in range(warps):
+        turn = 0
+        while fragments.row_dot_place(w, turn, 0, 0, lanes, warps)[0] < rows:
+            for u in range(fragments.ROW_DOT_UNROLL):
+                for lane in range(32):
+                    r, x = fragments.row_dot_place(w, turn, u, lane, lanes,
+                                                   warps)
+                    if r < rows and x < d_v // 8:
+                        out[r, x] = (w, turn, u, lane)
+            turn += 1
+    return out
+
+
+def _cases_row_dot_reader(rng):
+    out = []
+    for name, rows, d_v, warps in (
+            ("d_v = 128, one warp", 70, 128, 1),
+            ("d_v = 64, four warps (one block)", 200, 64, 4),
+            ("d_v = 48: six pieces a row on eight lanes", 150, 48, 4),
+            ("d_v = 112: fourteen pieces on sixteen lanes", 150, 112, 12),
+            ("d_v = 16: sixteen rows a load", 500, 16, 3)):
+        readers = _row_dot_readers(rows, d_v, warps)
+        picks = [(0, 0), (rows - 1, d_v // 8 - 1)] + [
+            (int(rng.integers(0, rows)), int(rng.integers(0, d_v // 8)))
+            for _ in range(4)]
+        for row, piece in picks:
+            out.append(Case(f"{name}: row {row}, piece {piece}",
+                            (row, piece, d_v, warps),
+                            readers[row, piece]))
+    return out
+
+
+def row_dot_reader(row, piece, d_v, warps):
+    """Chapter 12: (warp, turn, u, lane) of row_dot16 that loads 16-byte
+    piece `piece` of row `row` (d_v 16-bit values a row), in a grid of
+    `warps` warps: fragments.row_dot_place read backwards.
+
+    A row's pieces go to row_dot_lanes(d_v) lanes (a power of two), so
+    one load of a warp covers 32 / lanes rows; a lane's
+    fragments.ROW_DOT_UNROLL loads take the next rows, and then the
+    grid's next warp, until every warp has had its turn.
+    """
+    lanes = fragments.row_dot_lanes(d_v)
+    per_load = 32 // lanes
+    group, within = divmod(row, per_load * fragments.ROW_DOT_UNROLL)
+    turn, warp = divmod(group, warps)
+    u, sub = divmod(within, per_load)
+    return warp, turn, u, sub * lanes + piece
+
+
+def _reader_lanes_exact(row, piece, d_v, warps):
+    lanes = d_v // 8
+    per_load = 32 // lanes
+    group, within = divmod(row, per_load * fragments.ROW_DOT_UNROLL)
+    turn, warp = divmod(group, warps)
+    u, sub = divmod(within, per_load)
+    return warp, turn, u, sub * lanes + piece
+
+
+def _reader_warp_major(row, piece, d_v, warps):
+    lanes = fragments.row_dot_lanes(d_v)
+    per_load = 32 // lanes
+    group, within = divmod(row, per_load * fragments.ROW_DOT_UNROLL)
+    warp, turn = divmod(group, warps)
+    u, sub = divmod(within, per_load)
+    return warp, turn, u, sub * lanes + piece
+
+
+def _reader_loads_inner(row, piece, d_v, warps):
+    lanes = fragments.row_dot_lanes(d_v)
+    per_load = 32 // lanes
+    group, within = divmod(row, per_load * fragments.ROW_DOT_UNROLL)
+    turn, warp = divmod(group, warps)
+    sub, u = divmod(within, fragments.ROW_DOT_UNROLL)
+    return warp, turn, u, sub * lanes + piece
+
+
+register("row_dot_reader", Exercise(
+    12, "row_dot_reader(row, piece, d_v, warps) -> (warp, turn, u, "
+    "lane): which lane of row_dot16 loads a 16-byte piece of a row, and "
+    "when",
+    _cases_row_dot_reader, row_dot_reader,
+    (("a row's lanes are a power of two (their sums meet by shuffles): "
+      "at d_v = 48 six pieces take eight lanes", _reader_lanes_exact),
+     ("the grid's warps move on together: the next group of rows goes "
+      "to the next warp, and a warp's next turn comes after every "
+      "warp's", _reader_warp_major),
+     ("one load of a warp covers 32 / lanes consecutive rows; its next "
+      "load the rows after them", _reader_loads_inner))))

@@ -457,53 +457,19 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
     online_softmax(sf, m, l, al, tiles, rules, poly)
 
 
-DOT_UNROLL = 4  # rows a lane of row_dot16 loads before it sums any
+DOT_UNROLL = fragments.ROW_DOT_UNROLL  # rows a lane loads before summing
 DOT_BLOCKS = 2048  # most blocks of row_dot16: 16 an SM on 128 SMs
-
-
-@inline
-def warp_total(acc):
-    """The sum of acc over the warp's lanes, in every lane."""
-    width = 16
-    while width > 0:
-        acc += cuda.shfl_xor_sync(FULL_MASK, acc, width)
-        width //= 2
-    return acc
-
-
-def dot_lanes(d_v):
-    """Lanes of row_dot16 that share a row of d_v 16-bit values: a lane
-    reads 16 bytes, eight values, of dO and of O; a power of two, so the
-    lanes of a row meet by shuffles."""
-    if d_v % 8 or not 8 <= d_v <= 256:
-        raise ValueError(f"d_v: expected a multiple of 8 in 8..256 for "
-                         f"row_dot16, got {d_v}")
-    lanes = 1
-    while lanes < d_v // 8:
-        lanes *= 2
-    return lanes
 
 
 def dot_grid(rows, d_v):
     """row_dot16's grid for `rows` rows of d_v values (one dimension):
     enough blocks of THREADS for every row, DOT_BLOCKS at most (each then
     takes several turns: starting blocks cost more than the loop)."""
-    rows_a_block = THREADS // dot_lanes(d_v) * DOT_UNROLL
+    rows_a_block = THREADS // fragments.row_dot_lanes(d_v) * DOT_UNROLL
     return (max(1, min(DOT_BLOCKS, math.ceil(rows / rows_a_block))),)
 
 
-def dot_place(warp, turn, u, lane, lanes, warps):
-    """(row, 16-byte piece of it) that `lane` of warp `warp` (of `warps`
-    in the grid) loads in load u of its turn `turn` of row_dot16, rows
-    shared by `lanes` lanes: a warp's load covers 32 / lanes rows, its
-    DOT_UNROLL loads the next ones, and the grid's warps then move on
-    together."""
-    per_load = 32 // lanes
-    base = (turn * warps + warp) * per_load * DOT_UNROLL
-    return base + u * per_load + lane // lanes, lane % lanes
-
-
-_dot_place = inline(dot_place)  # row_dot16's own
+_dot_place = inline(fragments.row_dot_place)  # row_dot16's own
 
 
 def _row_dot16(unpack):
@@ -519,11 +485,12 @@ def _row_dot16(unpack):
     def row_dot16(do, o, delta):
         """delta[r] = rowsum(dO_r o O_r) in float32 from 16-bit pairs
         (rows, d_v / 2), the backward's one preparation (D). The lanes
-        of a row (dot_lanes) each take 16 bytes of it with ld.global.nc
-        .v4, so a warp's load is 512 contiguous bytes (four-byte loads
-        ran at half the copy speed); DOT_UNROLL rows' loads are in flight
-        before the first sum, and a row's lanes meet by shuffles. The
-        warps take turns over the rows until none is left (dot_place)."""
+        of a row (fragments.row_dot_lanes) each take 16 bytes with
+        ld.global.nc.v4, so a warp's load is 512 contiguous bytes
+        (four-byte loads ran at half the copy speed); DOT_UNROLL rows'
+        loads are in flight before the first sum, and a row's lanes meet
+        by shuffles. The warps take turns over the rows until none is
+        left (fragments.row_dot_place)."""
         rows, words = do.shape
         quads = words // 4  # a row's 16-byte pieces
         lanes = 1
