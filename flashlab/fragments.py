@@ -128,6 +128,26 @@ def swizzled_offset(row, chunk, per_row):
     return (row * per_row + (chunk ^ (row & 7))) * 16
 
 
+def staged_chunk(k, lane, per_row):
+    """(row, chunk) of a warp's 16 staged rows of per_row (8 or 16)
+    16-byte chunks that `lane` reads back in step k (0 .. per_row / 2 -
+    1): chunk lane + 32 k in row order, so the warp's 16-byte store
+    writes 32 / per_row whole rows, and a lane keeps its chunk and moves
+    down 32 / per_row rows a step."""
+    return lane // per_row + (32 // per_row) * k, lane % per_row
+
+
+def stage_place(u, wg, rows, staged):
+    """Byte offset in a 128-byte-swizzled Q_i tile of `rows` rows (panels
+    of 64 columns, each rows x 128 bytes) where warp u (0..3) of
+    warpgroup wg stages its `staged` bytes of O_i (2048 or 4096): inside
+    the 64 rows of each panel that wg's own products read, so a
+    warpgroup that finishes first never writes over rows another still
+    reads."""
+    at = u * staged  # in the warpgroup's 8192 bytes of each panel
+    return (at // 8192) * rows * 128 + wg * 8192 + at % 8192
+
+
 def swizzle_base(row, chunk, r, per_row):
     """swizzled_offset(row, chunk + 2 r, per_row): base r (0..3) of the
     four a lane keeps per tile, row and chunk its place in `ldmatrix_a`,

@@ -197,6 +197,7 @@ for version, kind, d, dv in json.loads(sys.argv[1]):
         wgmma=text.count("wgmma.mma_async"), mma=ptx.tensor_ops(text),
         wait1=text.count("wgmma.wait_group.sync.aligned 1;"),
         tma=text.count("cp.async.bulk.tensor"),
+        wide_stores=text.count("st.global.v4.b32"),
         e4m3_packs=text.count("cvt.rn.satfinite.e4m3x2.f32"),
         poly=text.count("max.ftz.NaN.f32"),
         copies=text.count("cp.async.cg"), bars=text.count("bar.sync"),
@@ -268,6 +269,20 @@ def test_v7_assembles_for_sm90a_only_and_does_not_spill(v7_report):
         assert not r["stack"] and not r["spill"] and r["regs"] <= 255, (
             key, r)
         assert not r["sm90"], f"{key}: wgmma assembled for plain sm_90"
+
+
+def test_v8_stores_o_16_bytes_a_lane(v7_report):
+    # forward v8's epilogue (two consumer warpgroups) reads O back from
+    # shared memory and writes it 16 bytes a lane: d_v / 16 stores in the
+    # text, unrolled; three warpgroups (d = d_v = 64) and v7 store each
+    # pair of a C fragment as it is
+    from flashlab.gpu import forward_v8
+
+    for key, r in v7_report.items():
+        version, _, d, dv = key.split()
+        staged = version == "v8" and forward_v8.groups(int(d), int(dv)) == 2
+        assert r["wide_stores"] == (int(dv) // 16 if staged else 0), (key,
+                                                                      r)
 
 
 def test_v8_e4m3_packs_p_in_registers(v7_report):

@@ -63,6 +63,7 @@ from flashlab.gpu.warp import (
     known_softmax,
     last_tile,
     make_store_rows16,
+    make_store_rows_staged,
     plain_softmax,
     rescale,
     tile_range,
@@ -112,6 +113,7 @@ PING_PONG = False
 TURN = 1
 
 a8_place = cuda.jit(device=True)(fragments.a8_from_c)
+stage_place = cuda.jit(device=True)(fragments.stage_place)
 
 
 def groups(d, d_v):
@@ -142,10 +144,23 @@ def shape(d, d_v):
 
 def shared_bytes(d, d_v, size=2):
     """Dynamic shared memory per block: the barriers, Q_i and two stages
-    of K_j, V_j (values of `size` bytes), and room to align them to 1024
+    of K_j, V_j (values of `size` bytes), O_i's staging where Q_i's room
+    is too small for it (`stage_bytes`), and room to align them to 1024
     bytes."""
     br, bc = block_rows(d, d_v), BLOCK_K[d]
-    return BARRIERS + size * (br * d + 2 * bc * d + 2 * bc * d_v) + ALIGN
+    return BARRIERS + size * (br * d + 2 * bc * d + 2 * bc * d_v) \
+        + stage_bytes(d, d_v, size) + ALIGN
+
+
+def stage_bytes(d, d_v, size=2):
+    """Bytes past the tiles for the epilogue's 16-bit O_i (Br x d_v): none
+    where Q_i's tile (Br x d values of `size` bytes) holds it, as it does
+    at d >= d_v in 16 bits, and a warp's rows of Q_i are free once its
+    last product has read them."""
+    br = block_rows(d, d_v)
+    if groups(d, d_v) == 3 or size * d >= 2 * d_v:  # (three: not staged)
+        return 0
+    return 2 * br * d_v
 
 
 def make_a8(kp_steps):
@@ -191,7 +206,14 @@ def make(D, D_V, kind="bf16"):
     Q_B, K_B, V_B = (size * BR * D, size * BC * D,
                      size * BC * D_V)  # SRAM tiles, bytes
     box = SWIZZLE_BYTES // size  # columns of a TMA box
-    store_rows = make_store_rows16(pack, NO)  # the epilogue: 16-bit O
+    # the epilogue: 16-bit O through shared memory, 2 D_V bytes a row, in
+    # Q_i's tile or past V_j's stages (stage_bytes); not at three
+    # warpgroups' 128 registers, where ptxas spills it (104 bytes)
+    store_rows = make_store_rows16(pack, NO) if TIGHT else \
+        make_store_rows_staged(pack, NO)
+    STAGED = 16 * 2 * D_V  # bytes a warp stages: 16 rows
+    IN_Q = stage_bytes(D, D_V, size) == 0
+    STAGE_AT = Q_B + 2 * (K_B + V_B)  # where not in Q_i's tile
     lbo_k, sbo_k, _, _ = fragments.k_major_128b(BR)
     s_issue = mma_ss(BC, KD, k_steps_128b(BR, KD), k_steps_128b(BC, KD),
                      kind, wait=False)
@@ -410,7 +432,20 @@ def make(D, D_V, kind="bf16"):
             for n in range(NO):
                 for x in range(4):
                     of[n, x] *= out_scale
-        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
+        if TIGHT:
+            store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
+        else:
+            if first <= last:  # Q_i landed: no copy writes its tile after
+                # the staging (a warpgroup that visits no tile never
+                # waited)
+                tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
+            if IN_Q:  # among the rows of Q_i that only its warpgroup read
+                o_at = q_at + uint32(stage_place((w - 4) % 4, wg, BR,
+                                                 STAGED))
+            else:
+                o_at = q_at + uint32(STAGE_AT + (w - 4) * STAGED)
+            store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq,
+                       o_at)
 
     if eight:
         @cuda.jit

@@ -191,6 +191,39 @@ if config.ENABLE_CUDASIM:  # the simulator runs no PTX: the same values
 
 
 @intrinsic
+def ld_shared_v4(typingctx, address):
+    """Four int32 words at .shared address `address` (16-byte aligned) in
+    one load, in program order with the asm around it (a memory
+    clobber): a staged row read back after the stores that wrote it."""
+    sig = _I4(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        res = _asm(builder, "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];",
+                   "=r,=r,=r,=r,r,~{memory}",
+                   ir.LiteralStructType([_I32] * 4), list(args),
+                   side_effect=True)
+        return _tuple(context, builder, signature, res, 4)
+
+    return sig, codegen
+
+
+@intrinsic
+def st_global_v4(typingctx, address, w0, w1, w2, w3):
+    """Store int32 words w0..w3 at global `address` (uint64, 16-byte
+    aligned) in one 16-byte store: a warp's four-byte stores of C
+    fragments touch 16 bytes of each of 8 rows; these write whole rows."""
+    sig = types.void(types.uint64, types.int32, types.int32, types.int32,
+                     types.int32)
+
+    def codegen(context, builder, signature, args):
+        _asm(builder, "st.global.v4.b32 [$0], {$1,$2,$3,$4};",
+             "l,r,r,r,r,~{memory}", None, list(args), side_effect=True)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def to_tf32(typingctx, x):
     """x rounded to tf32 (10 mantissa bits, nearest, ties away), as float32.
 

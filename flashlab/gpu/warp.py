@@ -30,7 +30,10 @@ from flashlab.gpu.intrinsics import (
     ex2_poly,
     global_address,
     ld_global_nc_v4,
+    ld_shared_v4,
     opaque,
+    st_global_v4,
+    st_shared32,
     unpack_bf16x2,
     unpack_f16x2,
 )
@@ -60,6 +63,7 @@ ldmatrix_b_trans = cuda.jit(device=True)(fragments.ldmatrix_b_trans)
 swizzle_base = cuda.jit(device=True)(fragments.swizzle_base)
 swizzle_step = cuda.jit(device=True)(fragments.swizzle_step)
 a_from_c = cuda.jit(device=True)(fragments.a_from_c)
+staged_chunk = cuda.jit(device=True)(fragments.staged_chunk)
 # a row's allowed columns as one interval, and a lane's run of them as
 # C-fragment bits (allowed_bits_of)
 allowed_range = inline(masks.allowed_range)
@@ -304,6 +308,53 @@ def make_store_rows16(pack, n_tiles):
                     lse[b, i] = lse_i
 
     return store_rows16
+
+
+def make_store_rows_staged(pack, n_tiles):
+    """store_rows16's rows through shared memory, for one 16-bit `pack`
+    and n_tiles (8 or 16) 8-column groups of O: forward v8's epilogue."""
+
+    @inline
+    def store_rows_staged(o, lse, of, m, l, seen, bad, bk, b, row, lane,
+                          nq, at):
+        """store_rows16, each 16-bit pair first put in the warp's 16
+        staged rows at .shared address `at` (16 x 16 n_tiles bytes, its
+        16-byte chunks swizzled by row: each store of the warp hits 32
+        banks), then read back 16 bytes a lane and written whole: the
+        warp's four-byte stores wrote 16 bytes of each of 8 rows, and
+        their count and addresses held the end of every block."""
+        g, t = lane // 4, lane % 4
+        bits = bad_bits(bad, bk, t)
+        for h in range(2):
+            inv, lse_i, state = row_end(m[h], l[h], seen[h])
+            if row + 8 * h < nq:  # rows past Nq: neither staged nor read
+                for n in range(n_tiles):
+                    v0, v1 = of[n, 2 * h] * inv, of[n, 2 * h + 1] * inv
+                    if state == 1:  # no key: 0, even where O_i is NaN
+                        v0 = v1 = F0
+                    else:
+                        v0 = NAN if (bits >> uint32(2 * n)) & 1 else v0
+                        v1 = NAN if (bits >> uint32(2 * n + 1)) & 1 \
+                            else v1
+                    st_shared32(at + uint32(swizzled_offset(
+                        g + 8 * h, n, n_tiles) + 4 * t), pack(v0, v1))
+                if t == 0:
+                    lse[b, row + 8 * h] = lse_i
+        cuda.syncwarp()  # the warp's rows staged before its lanes read
+        # the lane's chunk c of rows r0, r0 + 32 / n_tiles, ...: one
+        # address, moved by whole rows (2 d_v bytes, as o is laid out)
+        r0, c = staged_chunk(0, lane, n_tiles)
+        top = row - g + r0  # the lane's first row
+        out = global_address(o, (b, top, 4 * c))
+        for k in range(n_tiles // 2):
+            r = staged_chunk(k, lane, n_tiles)[0]
+            if top + (r - r0) < nq:
+                w0, w1, w2, w3 = ld_shared_v4(
+                    at + uint32(swizzled_offset(r, c, n_tiles)))
+                st_global_v4(out + uint64(16 * n_tiles * (r - r0)),
+                             w0, w1, w2, w3)
+
+    return store_rows_staged
 
 
 CHAINS = 8  # independent partial maxima and sums of a row's terms
