@@ -17,6 +17,7 @@ from flashlab import bench, costs, measured, reference
 from flashlab.bench import (
     cli,
     cpu,
+    forward_kernels,
     forward_rounds,
     gpt,
     host,
@@ -350,7 +351,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
         assert f.read().strip() == ",".join(report.FIELDS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for flag in ("--host", "--training", "--gpt", "--step-gaps",
-                 "--forward-rounds"):
+                 "--forward-rounds", "--forward-kernels"):
         with pytest.raises(SystemExit):
             bench.main([flag, "--out", str(tmp_path)])
         assert "no CUDA device" in capsys.readouterr().err
@@ -360,7 +361,8 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
     for flag in ("--cpu", "--no-gpu", "--quick", "--out", "--tensor-cores",
                  "--backward-only", "--decode", "--ring", "--ceilings",
                  "--versions", "--host", "--training", "--gpt", "--hopper",
-                 "--fp8-only", "--step-gaps", "--forward-rounds"):
+                 "--fp8-only", "--step-gaps", "--forward-rounds",
+                 "--forward-kernels"):
         assert flag in out
     with pytest.raises(SystemExit):
         bench.main(["--fp8-only", "--out", str(tmp_path)])
@@ -491,3 +493,25 @@ def test_forward_rounds_rows_count_the_forwards_flops():
     assert {s[:4] for s in forward_rounds.SHAPES} == {
         (2, 8, 16384, 64), (2, 8, 16384, 128), (2, 8, 4096, 64),
         (2, 8, 4096, 128)}
+
+
+def test_forward_kernels_rows_sum_each_impls_kernels():
+    # flashlab's forward is two kernels (V's flags, then the forward);
+    # cuDNN's one: the ratio is cuDNN's sum over flashlab's
+    kernels = {"flashlab": {"forward_v8": 300.0, "find_bad_parts": 20.0},
+               "cudnn": {"fprop": 256.0}}
+    got = forward_kernels.row((8, 16, 2048, 128, True), kernels)
+    assert got == dict(B=8, H=16, N=2048, d=128, causal=True,
+                       kernels=kernels,
+                       total_us={"flashlab": 320.0, "cudnn": 256.0},
+                       x_cudnn=0.8)
+    with pytest.raises(ValueError, match="kernels"):
+        forward_kernels.row((8, 16, 2048, 128, True),
+                            {"flashlab": kernels["flashlab"]})
+    with pytest.raises(ValueError, match="kernels"):
+        forward_kernels.row((8, 16, 2048, 128, True),
+                            {"flashlab": {}, "cudnn": {"fprop": 1.0}})
+    # the step's training shapes, both masks at 2048, and 4096 causal
+    assert set(forward_kernels.SHAPES) >= {
+        (16, 12, 1024, 64, True), (8, 16, 2048, 128, True),
+        (8, 16, 2048, 128, False)}

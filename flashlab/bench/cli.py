@@ -7,6 +7,7 @@ from flashlab.bench import (
     cpu,
     decode,
     extras,
+    forward_kernels,
     forward_rounds,
     gpt,
     hopper,
@@ -75,6 +76,10 @@ def main(argv=None):
                     help="the bf16 forward at B2 H8, N 4096 and 16384, "
                          "against SDPA's cuDNN and flash in alternating "
                          "rounds (forward_rounds.json)")
+    ap.add_argument("--forward-kernels", action="store_true",
+                    help="the bf16 forward's kernel times at the training "
+                         "shapes against SDPA's cuDNN, from the profiler "
+                         "(forward_kernels.json)")
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
@@ -119,6 +124,9 @@ def main(argv=None):
     if args.forward_rounds:
         _need_cuda(ap)
         return forward_rounds.main(args.out, report.machine())
+    if args.forward_kernels:
+        _need_cuda(ap)
+        return forward_kernels.main(args.out, report.machine())
     if args.decode:
         return measure(decode.suite(), args.out)
     if args.host or args.training or args.gpt:
