@@ -102,6 +102,8 @@ def test_dynamic_shared_memory_holds_the_tiles_make_lays_out(spec):
                 tiles["STAGE_B"]
         elif "Q_B" in tiles:  # v8 counts bytes (16-bit or e4m3 values)
             need = tiles["Q_B"] + 2 * tiles["K_B"] + 2 * tiles["V_B"]
+            if not tiles["IN_Q"]:  # O_i's staging, past V_j's stages
+                need += tiles["STAGED"] * tiles["BR"] // 16
         else:
             need = traits.B16 * (tiles["Q_S"] + 2 * tiles["K_S"]
                                  + 2 * tiles["V_S"])
