@@ -371,3 +371,25 @@ def test_round_toward_zero_keeps_the_float32_at_or_inside_x(rng):
     assert np.array_equal(y[-100:], exact.astype(np.float32))
     special = to_float32_rz(np.array([np.inf, -np.inf, np.nan, 0.0]))
     assert np.isinf(special[:2]).all() and np.isnan(special[2])
+
+
+def test_chapter12_o_staged_place_is_the_staged_epilogues_map():
+    # every value of a warp's 16 rows, against the map built from the
+    # functions forward v8's epilogue compiles (fragments.c_places,
+    # swizzled_offset, staged_chunk); and the places are all distinct
+    from flashlab.exercises import chapter12
+
+    place = exercises.solution("o_staged_place")
+    for d_v in (64, 128):
+        want = chapter12._o_staged_places(d_v // 8)
+        assert len(want) == 16 * d_v
+        got = {(r, c): place(r, c, d_v) for r in range(16)
+               for c in range(d_v)}
+        assert got == want
+        assert len({x[1] for x in got.values()}) == 16 * d_v  # bytes
+        # each read-back (step, lane) holds one 16-byte chunk: 8 values
+        reads = {}
+        for _, offset, step, lane in got.values():
+            reads.setdefault((step, lane), set()).add(offset // 16)
+        assert all(len(x) == 1 for x in reads.values())
+        assert len(reads) == 2 * d_v

@@ -1308,3 +1308,101 @@ register("row_dot_reader", Exercise(
       "warp's", _reader_warp_major),
      ("one load of a warp covers 32 / lanes consecutive rows; its next "
       "load the rows after them", _reader_loads_inner))))
+
+# -------------------------------------------------------- o_staged_place
+
+
+def _o_staged_places(n_tiles):
+    """{(row, col): (writer, offset, step, reader)} over a warp's 16 rows
+    of O, n_tiles 8-column groups, from the kernel's own maps:
+    fragments.c_places (who holds a pair), fragments.swizzled_offset
+    (where it is staged) and fragments.staged_chunk (who reads it back,
+    and when)."""
+    places = fragments.c_places()  # (lane, element, (row, column))
+    out = {}
+    readers = {}
+    for k in range(n_tiles // 2):
+        for lane in range(32):
+            readers[fragments.staged_chunk(k, lane, n_tiles)] = (k, lane)
+    for lane in range(32):
+        for e in range(4):
+            r, c0 = (int(x) for x in places[lane, e])
+            for n in range(n_tiles):
+                col = 8 * n + c0
+                offset = fragments.swizzled_offset(r, n, n_tiles) \
+                    + 4 * (lane % 4) + 2 * (col % 2)
+                out[r, col] = (lane, offset, *readers[r, n])
+    return out
+
+
+def _cases_o_staged_place(rng):
+    out = []
+    for d_v in (64, 128):
+        places = _o_staged_places(d_v // 8)
+        picks = [(0, 0), (15, d_v - 1), (8, 1), (7, 9)] + [
+            (int(rng.integers(0, 16)), int(rng.integers(0, d_v)))
+            for _ in range(4)]
+        for row, col in picks:
+            out.append(Case(f"d_v = {d_v}: row {row}, column {col}",
+                            (row, col, d_v), places[row, col]))
+    return out
+
+
+def o_staged_place(row, col, d_v):
+    """Chapter 12: (writer, offset, step, reader) of value (row, col) of a
+    warp's 16 rows of O in forward v8's staged epilogue, d_v columns.
+
+    The writer is the lane of the C fragment that holds it (4 (row mod 8)
+    + its column's pair in the 8); it stages 16-bit pairs in rows of
+    d_v / 8 chunks of 16 bytes, chunk c of row r at c XOR (r mod 8) (the
+    tiles' swizzle), the odd column 2 bytes into its word. The warp reads
+    the rows back as chunk lane + 32 step in row order.
+    """
+    per_row = d_v // 8  # 16-byte chunks of a row
+    chunk, within = divmod(col, 8)
+    writer = 4 * (row % 8) + within // 2
+    offset = (row * per_row + (chunk ^ (row % 8))) * 16 + 2 * within
+    step, reader = divmod(row * per_row + chunk, 32)
+    return writer, offset, step, reader
+
+
+def _staged_unswizzled(row, col, d_v):
+    per_row = d_v // 8
+    chunk, within = divmod(col, 8)
+    step, reader = divmod(row * per_row + chunk, 32)
+    return (4 * (row % 8) + within // 2, (row * per_row + chunk) * 16
+            + 2 * within, step, reader)
+
+
+def _staged_column_major(row, col, d_v):
+    per_row = d_v // 8
+    chunk, within = divmod(col, 8)
+    step, reader = divmod(chunk * 16 + row, 32)
+    return (4 * (row % 8) + within // 2,
+            (row * per_row + (chunk ^ (row % 8))) * 16 + 2 * within, step,
+            reader)
+
+
+def _staged_word_only(row, col, d_v):
+    per_row = d_v // 8
+    chunk, within = divmod(col, 8)
+    step, reader = divmod(row * per_row + chunk, 32)
+    return (4 * (row % 8) + within // 2,
+            (row * per_row + (chunk ^ (row % 8))) * 16 + 4 * (within // 2),
+            step, reader)
+
+
+register("o_staged_place", Exercise(
+    12, "o_staged_place(row, col, d_v) -> (writer, offset, step, reader): "
+    "which lane stages value (row, col) of a warp's 16 rows of O in "
+    "forward v8's epilogue, at which byte, and which lane reads it back "
+    "in which step",
+    _cases_o_staged_place, o_staged_place,
+    (("stored unswizzled, the 8 rows of one store of the warp sit in the "
+      "same 4 banks: chunk c of row r goes to c XOR (r mod 8)",
+      _staged_unswizzled),
+     ("the warp reads the rows back in row order, 32 consecutive chunks "
+      "a step, so each of its 16-byte stores writes whole rows",
+      _staged_column_major),
+     ("a word holds a pair: the odd column is its upper half, 2 bytes "
+      "past the even one", _staged_word_only))))
