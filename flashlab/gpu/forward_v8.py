@@ -208,7 +208,7 @@ def make(D, D_V, kind="bf16"):
     box = SWIZZLE_BYTES // size  # columns of a TMA box
     # the epilogue: 16-bit O through shared memory, 2 D_V bytes a row, in
     # Q_i's tile or past V_j's stages (stage_bytes); not at three
-    # warpgroups' 128 registers, where ptxas spills it (104 bytes)
+    # warpgroups' 160 registers, where ptxas spills (104 bytes)
     store_rows = make_store_rows16(pack, NO) if TIGHT else \
         make_store_rows_staged(pack, NO)
     STAGED = 16 * 2 * D_V  # bytes a warp stages: 16 rows
