@@ -271,13 +271,17 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
     monkeypatch.setattr(forward_v8, "encode", lambda *a: encoded.append(
         a) or np.full(16, len(encoded), np.uint64))
 
-    class Ring:
+    words = 80 if fused else 64
+
+    class Ring:  # as forward_v8._Slots: one slot here
+        base, made = 0x6000, [0]
+
         def address(self, key, make, stream):
-            self.seen, self.words = (key, stream), make()
+            self.seen, self.got = (key, stream), make()
             return 0x6000
 
     ring = Ring()
-    words = 80 if fused else 64
+    ring.words = words
     monkeypatch.setattr(backward_v8, "_SLOTS", {words: ring})
     args_key = ("backward16_ordered_tma" if ordered else
                 "backward16_fused_tma" if fused else "backward16_dkv_tma")
@@ -320,8 +324,22 @@ def test_backward_v8_maps_are_q_k_v_do_with_their_boxes(monkeypatch,
     assert encoded == [(0x1000, 100, 6, 64, rows), (0x2000, 130, 3, 64, keys),
                        (0x3000, 130, 3, 64, keys), (0x4000, 100, 6, 64, rows)
                        ] + [(0x5C00, 100, 6, 64, rows, 4)] * fused
-    assert list(ring.words) == sum(([m] * 16 for m in range(1, 5 + fused)),
-                                   [])
+    assert list(ring.got) == sum(([m] * 16 for m in range(1, 5 + fused)),
+                                 [])
+    # the same pointers again (a training loop's next step): the slot
+    # found last, without a look-up, unless the slot has since been given
+    # another set; new pointers are looked up
+    ring.seen = None
+    packed.launch((2, 3), backward_v8.threads(), 8)
+    assert ring.seen is None
+    ring.made[0] += 1
+    packed.launch((2, 3), backward_v8.threads(), 9)
+    assert ring.seen[1] == 9
+    ring.seen = None
+    packed.point(3, 0x4400)
+    packed.launch((2, 3), backward_v8.threads(), 10)
+    assert ring.seen == ((0x1000, 0x2000, 0x3000, 0x4400, dq, 6, 100, 3,
+                          130, 64, 64), 10)
 
 
 def test_packed_launch_passes_each_grid_and_block_it_is_given(monkeypatch):

@@ -409,6 +409,7 @@ for kind, d, part in itertools.product(("bf16", "f16"),
     text = backward_v8.compile_ptx(d, d, kind, part)
     out[f"{kind} {part} d{d}"] = dict(
         turns=(text.count("ld.acquire.gpu"), text.count("red.release.gpu")),
+        reads=text.count("cp.async.bulk.wait_group.read"),
         wgmma=text.count("wgmma.mma_async"),
         tma=text.count("cp.async.bulk.tensor"),
         reduce=text.count("cp.reduce.async.bulk.tensor"),
@@ -460,6 +461,9 @@ def test_backward_v8_copies_by_tma_without_a_block_barrier():
             # the tile's boxes stored instead at its first turn
             ordered = "ordered" in kind
             assert r["turns"] == [ordered] * 2, (kind, r)
+            # the staged tile handed back once TMA has read it, in both
+            # (ordered, before the additions it waits for)
+            assert r["reads"] == 1, (kind, r)
             assert r["store"] == ordered * d // 32, (kind, r)
             continue
         # S^T, dP^T: d / 16 k-steps each; dV, dK: 4 (64 queries)

@@ -333,8 +333,12 @@ def _stage_hooks(D, kind, ordered=False):
                     tma.reduce_add_3d(maps_at + uint64(512),
                                       int32(p * DQ_BOX), i0, b, box)
             tma.bulk_commit()
-            turn_done(at)
+            # the staged tile read: its buffer is the consumers' again
+            # before the additions land (ordered, the turn is passed on
+            # once they have)
+            tma.bulk_wait_read()
             tma.arrive(bars + uint32(8 * (DQ_EMPTY + u)))
+            turn_done(at)
             n += 1
         tma.bulk_wait()  # the additions done before the block leaves
 
@@ -345,8 +349,8 @@ def _turns(ordered):
     """The drain's steps around a tile's additions: (`turn`, which waits
     for this block's turn at the tile and returns where its count is and
     whether the turn is the tile's first, whose tile is stored, and
-    `turn_done`, which frees the staged tile once TMA has read it and,
-    ordered, passes the turn on once the additions are done)."""
+    `turn_done`, which, ordered, passes the turn on once the additions
+    are done)."""
     BK, BQ = own("dkv"), STREAMED
     if not ordered:
         @inline
@@ -354,10 +358,10 @@ def _turns(ordered):
             return uint64(0), False
 
         @inline
-        def read(at):
-            tma.bulk_wait_read()
+        def no_pass(at):
+            pass
 
-        return no_turn, read
+        return no_turn, no_pass
 
     @inline
     def turn(counts, b, i0, rank, rules, kv_len, nq, nk):
@@ -669,22 +673,38 @@ DQ_ARG = 8  # dQ's place in the fused kernel's, before its maps
 
 def _maps_for(packed, stream, fused):
     """The device address of the tensor maps of the q, k, v, dO packed
-    in `packed` (arguments 0 to 3), and of dQ (DQ_ARG) if `fused`."""
+    in `packed` (arguments 0 to 3), and of dQ (DQ_ARG) if `fused`. A
+    training loop's calls come back with the same tensors: the address
+    of the last call's maps is kept in the buffer's memo while its slot
+    still holds them, as forward_v8's are."""
     from flashlab.gpu.launch import DATA_FIELD
 
-    offset = packed.kernel.layout.offset
-    (q_at, bh, nq, d), (k_at, bh_kv, nk, _), (v_at, _, _, d_v), (
-        do_at, _, _, _) = (forward_v8._FIELDS.unpack_from(
-            packed.buffer, offset(arg, DATA_FIELD)) for arg in range(4))
-    dq_at = forward_v8._FIELDS.unpack_from(
-        packed.buffer, offset(DQ_ARG, DATA_FIELD))[0] if fused else None
+    at = (packed.pointer(0), packed.pointer(1), packed.pointer(2),
+          packed.pointer(3), packed.pointer(DQ_ARG) if fused else None)
     words = 80 if fused else 64
     if words not in _SLOTS:
         _SLOTS[words] = forward_v8._Slots(words)
-    return _SLOTS[words].address(
-        (q_at, k_at, v_at, do_at, dq_at, bh, nq, bh_kv, nk, d, d_v),
+    slots = _SLOTS[words]
+    last = packed.memo.get("maps last")
+    if last is not None and last[0] == at \
+            and slots.made[last[1]] == last[2]:
+        return last[3]
+    dims = packed.memo.get("dims")  # fixed for a packed buffer
+    if dims is None:
+        offset = packed.kernel.layout.offset
+        dims = packed.memo["dims"] = tuple(
+            forward_v8._FIELDS.unpack_from(
+                packed.buffer, offset(arg, DATA_FIELD))[1:]
+            for arg in range(3))
+    (bh, nq, d), (bh_kv, nk, _), (_, _, d_v) = dims
+    q_at, k_at, v_at, do_at, dq_at = at
+    address = slots.address(
+        (*at, bh, nq, bh_kv, nk, d, d_v),
         lambda: tensor_maps(q_at, k_at, v_at, do_at, bh, nq, bh_kv, nk, d,
                             d_v, dq_at), stream)
+    slot = (address - slots.base) // (slots.words * 8)
+    packed.memo["maps last"] = (at, slot, slots.made[slot], address)
+    return address
 
 
 def _derived(fused, ordered=False):

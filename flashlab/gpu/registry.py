@@ -306,12 +306,12 @@ def ordered_pays(nk, heads=None):
 
 
 BACKWARD_VERSIONS = (9, 8, 7, 5)  # of the 16-bit backward, newest first
-# where version None runs backward v9: its blocks start their turns in
-# rank order, a chain paid once for each head's key blocks, which few
-# and short heads do not earn back. Measured on the H200 (chapter 12):
-# slower than v8 at B2 H8 with 4096 keys and at B16 H12 with 1024,
-# faster from 8192 keys, and at 2048 and 4096 keys in 64 and 128 query
-# heads (many waves of key blocks, each head's chain paid once)
+# where version None runs backward v9: measured on the H200 (chapter 12,
+# the backward alone in runs of its own), slower than v8 at B2 H8 with
+# 4096 keys and at B16 H12 with 1024, faster from 8192 keys, and at 2048
+# and 4096 keys in 64 and 128 query heads. Not for its turns' waits: the
+# same kernel with turns from the highest rank down, which no block
+# waits for, took the same time (hopper_turns_h200.json)
 ORDERED_MIN_KEYS = 8192
 ORDERED_WIDE_KEYS = 2048
 ORDERED_WIDE_ROWS = 2**18  # query heads x keys: 128 heads of 2048
