@@ -8,7 +8,9 @@
 9.0 and counts float64 instructions, static shared memory, fast exps,
 tensor-core mmas and local memory; `assemble` then runs ptxas (from the
 nvidia-cuda-nvcc wheel of requirements.txt) on that PTX for the registers
-per thread and the bytes ptxas spills, as a GPU's driver would.
+per thread and the bytes ptxas spills, as a GPU's driver would, and
+`sass` and `spill_sites` (nvdisasm, from the nvidia-cuda-nvdisasm wheel)
+say where in the machine code the spills sit.
 `literal_demo` compiles one small device computation twice, with a Python
 float literal and with float32 constants, to show where float64 creeps
 in. numba reads NUMBA_ENABLE_CUDASIM once per process and the simulator
@@ -77,6 +79,68 @@ def ptxas():
         for found in sorted(Path(root).glob("cu*/bin/ptxas")):
             return str(found)
     return shutil.which("ptxas")
+
+
+def nvdisasm():
+    """Path of nvdisasm: the nvidia-cuda-nvdisasm wheel's (beside the
+    nvidia-cuda-nvcc wheel's ptxas), else one on PATH, else None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for found in sorted(Path(root).glob("cu*/bin/nvdisasm")):
+            return str(found)
+    return shutil.which("nvdisasm")
+
+
+def sass(ptx, cc=(9, 0), max_registers=None):
+    """The machine code ptxas makes of PTX text (`cubin`), as nvdisasm
+    prints it: one instruction a line, each after its /*address*/."""
+    tool = nvdisasm()
+    if tool is None:
+        raise RuntimeError("nvdisasm not found: pip install -r "
+                           "requirements.txt (nvidia-cuda-nvdisasm) or put "
+                           "CUDA's bin on PATH")
+    code = cubin(ptx, cc, max_registers)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(code)
+        done = subprocess.run([tool, "-c", str(path)], capture_output=True,
+                              text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvdisasm failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
+# opcodes by which a spill's neighbourhood says where in a kernel it sits:
+# tensor-core products, mbarriers and named barriers, exponentials (a
+# softmax), TMA copies, shared and global memory (staging, epilogues)
+LANDMARKS = ("HGMMA", "WARPGROUP", "SYNCS", "BAR", "MUFU.EX2", "UTMALDG",
+             "UBLKCP", "STS", "LDS", "STG", "LDG")
+_INSTRUCTION = re.compile(
+    r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def instructions(sass_text):
+    """[(address, opcode)] of every instruction in nvdisasm's text, in
+    order (opcode with its modifiers: LDL.LU, SYNCS.ARRIVE.TRANS64...)."""
+    return [(int(m.group(1), 16), m.group(2))
+            for m in map(_INSTRUCTION.search, sass_text.splitlines()) if m]
+
+
+def spill_sites(sass_text, window=12):
+    """[(address, opcode, landmarks)] of each local-memory store or load
+    (STL, LDL: registers ptxas spilled) in SASS text, with the LANDMARKS
+    found within `window` instructions of it, which tell a spill in a
+    loop's products or softmax from one at a kernel's start or end."""
+    ops = instructions(sass_text)
+    out = []
+    for i, (address, op) in enumerate(ops):
+        if op.split(".")[0] in ("STL", "LDL"):
+            near = {x for _, x in ops[max(0, i - window):i + window + 1]
+                    for mark in LANDMARKS if x.startswith(mark)}
+            out.append((address, op, tuple(sorted(near))))
+    return out
 
 
 def cubin(ptx, cc=(9, 0), max_registers=None):
