@@ -52,6 +52,7 @@ from flashlab.gpu.intrinsics import (
     bar_arrive,
     bar_sync,
     global_address,
+    opaque,
     pack_bf16x2,
     pack_e4m3x4,
     pack_f16x2,
@@ -158,7 +159,7 @@ def stage_bytes(d, d_v, size=2):
     at d >= d_v in 16 bits, and a warp's rows of Q_i are free once its
     last product has read them."""
     br = block_rows(d, d_v)
-    if groups(d, d_v) == 3 or size * d >= 2 * d_v:  # (three: not staged)
+    if size * d >= 2 * d_v:
         return 0
     return 2 * br * d_v
 
@@ -207,10 +208,12 @@ def make(D, D_V, kind="bf16"):
                      size * BC * D_V)  # SRAM tiles, bytes
     box = SWIZZLE_BYTES // size  # columns of a TMA box
     # the epilogue: 16-bit O through shared memory, 2 D_V bytes a row, in
-    # Q_i's tile or past V_j's stages (stage_bytes); not at three
-    # warpgroups' 160 registers, where ptxas spills (104 bytes)
-    store_rows = make_store_rows16(pack, NO) if TIGHT else \
-        make_store_rows_staged(pack, NO)
+    # Q_i's tile or past V_j's stages (stage_bytes); but three
+    # warpgroups' 160 registers do not hold the turns' counts beside the
+    # staging's (ptxas spills 116 bytes): there, each pair as it is
+    STAGE = not (TIGHT and PING_PONG)
+    store_rows = make_store_rows_staged(pack, NO) if STAGE else \
+        make_store_rows16(pack, NO)
     STAGED = 16 * 2 * D_V  # bytes a warp stages: 16 rows
     IN_Q = stage_bytes(D, D_V, size) == 0
     STAGE_AT = Q_B + 2 * (K_B + V_B)  # where not in Q_i's tile
@@ -432,20 +435,26 @@ def make(D, D_V, kind="bf16"):
             for n in range(NO):
                 for x in range(4):
                     of[n, x] *= out_scale
-        if TIGHT:
+        if not STAGE:
             store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
+            return
+        if first <= last:  # Q_i landed: no copy writes its tile after
+            # the staging (a warpgroup that visits no tile never waited)
+            tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
+        if TIGHT:
+            # the thread's places read afresh: at 160 registers a place
+            # worked out at the start and held across the loop spills
+            # (104 bytes); through `opaque` ptxas cannot hoist it there
+            t3 = int32(opaque(uint32(cuda.threadIdx.x)))
+            w3, lane = t3 // 32, t3 % 32
+            o_at = opaque(q_at) + uint32(stage_place((w3 - 4) % 4,
+                                                     (w3 - 4) // 4, BR,
+                                                     STAGED))
+        elif IN_Q:  # among the rows of Q_i that only its warpgroup read
+            o_at = q_at + uint32(stage_place((w - 4) % 4, wg, BR, STAGED))
         else:
-            if first <= last:  # Q_i landed: no copy writes its tile after
-                # the staging (a warpgroup that visits no tile never
-                # waited)
-                tma.wait(bars + uint32(8 * Q_FULL), uint32(0))
-            if IN_Q:  # among the rows of Q_i that only its warpgroup read
-                o_at = q_at + uint32(stage_place((w - 4) % 4, wg, BR,
-                                                 STAGED))
-            else:
-                o_at = q_at + uint32(STAGE_AT + (w - 4) * STAGED)
-            store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq,
-                       o_at)
+            o_at = q_at + uint32(STAGE_AT + (w - 4) * STAGED)
+        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq, o_at)
 
     if eight:
         @cuda.jit
