@@ -22,9 +22,15 @@ def _e4m3(x):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16",
                                    "float8_e4m3fn"])
-@pytest.mark.parametrize("nk, d_v", [(1, 16), (70, 16), (333, 48),
-                                     (1100, 128)])
-def test_flags_match_numpy(rng, dtype, nk, d_v):
+@pytest.mark.parametrize("nk, d_v, fill", [(1, 16, None), (70, 16, None),
+                                           (333, 48, None),
+                                           (1100, 128, None),
+                                           (1100, 48, 2)])
+def test_flags_match_numpy(rng, monkeypatch, dtype, nk, d_v, fill):
+    # fill: FILL_BLOCKS as if the heads alone filled the GPU, so a chunk
+    # holds many PART_ROWS (1100 rows in one or two chunks, not nine)
+    if fill is not None:
+        monkeypatch.setattr(device, "FILL_BLOCKS", fill)
     # V as int32 words of 1, 2 or 4 values; the flags against numpy's
     # isfinite of each chunk's rows, with a few NaN and inf (NaN codes in
     # e4m3, and 0xFF, the negative one) at random places, some of them in
@@ -42,6 +48,8 @@ def test_flags_match_numpy(rng, dtype, nk, d_v):
     else:
         v = x.astype(dtype)
     shape = device.bad_parts_shape(bh, nk, d_v)
+    if fill is not None:  # fewer chunks than PART_ROWS would give
+        assert shape[1] < math.ceil(nk / device.PART_ROWS)
     parts = np.full(shape, 7, np.int32)  # poison: every entry rewritten
     kernel = getattr(device, f"find_bad_parts{device.WIDTHS[dtype]}")
     kernel[shape[1::-1], device.FIND_THREADS](
@@ -89,6 +97,15 @@ def test_quad_bits_are_a_thread_s_columns():
 def test_chunks_stay_few():
     assert device.bad_parts_shape(3, 1, 64) == (3, 1, device.QUADS)
     assert device.bad_parts_shape(3, 10**6, 64)[1] == device.MAX_PARTS
+    # enough blocks to fill the GPU, no more: B16 H12 and B8 H16 at the
+    # training shapes, 16 heads at 4K (every chunk of PART_ROWS rows)
+    fill = device.FILL_BLOCKS
+    assert device.bad_parts_shape(192, 1024, 64)[1] == 3 == -(-fill // 192)
+    assert device.bad_parts_shape(128, 2048, 128)[1] == 4
+    assert device.bad_parts_shape(16, 4096, 128)[1] == device.MAX_PARTS
+    assert device.bad_parts_shape(2 * fill, 4096, 128)[1] == 1
+    assert device.bad_parts_shape(16, 300, 64)[1] == 3  # short keys
+    assert device.bad_parts_shape(0, 300, 64)[1] == 3  # no heads
     with pytest.raises(ValueError, match="d_v: expected at most 128"):
         device.bad_parts_shape(3, 100, 256)
 

@@ -423,6 +423,12 @@ def finish_rows(o, lse, bad, empty):
 # d_v = 64 read 8 KB and starting blocks took much of the kernel's time
 PART_ROWS = 128
 MAX_PARTS = 16  # chunks of V's rows: the words an epilogue ORs
+# blocks of find_bad_parts worth launching: with fewer chunks an epilogue
+# reads fewer words, and past about this many blocks more chunks only
+# add blocks to start (H200: at B16 H12 Nk 1024 d_v 64, 3 chunks took
+# 6 µs and 8 took 8; at B8 H16 Nk 2048 d_v 128, 4 took 19 and 16 took
+# 20; one or two chunks left the GPU without work: 36 and 23 µs)
+FILL_BLOCKS = 512
 PART_COLUMNS = 128  # widest V the parts kernels take (tensor-core d_v)
 # a chunk's flags as one 32-bit word per place of a lane in its quad (a
 # C fragment's four lanes share rows and split the columns): bit 2 n + e
@@ -439,12 +445,14 @@ WIDTHS = {"float32": 32, "bfloat16": 16, "float16": 16,
 
 def bad_parts_shape(bh_kv, nk, d_v):
     """(BH_kv, chunks, QUADS) int32 words of find_bad_parts' flags for V
-    (BH_kv, Nk, d_v <= PART_COLUMNS): at most MAX_PARTS chunks, so an
+    (BH_kv, Nk, d_v <= PART_COLUMNS): as few chunks as give FILL_BLOCKS
+    blocks, each of PART_ROWS rows or more, and at most MAX_PARTS, so an
     epilogue reads few words."""
     if d_v > PART_COLUMNS:
         raise ValueError(f"d_v: expected at most {PART_COLUMNS} for the "
                          f"bad-column words, got {d_v}")
-    chunks = max(1, min(MAX_PARTS, math.ceil(nk / PART_ROWS)))
+    most = min(MAX_PARTS, math.ceil(nk / PART_ROWS))
+    chunks = max(1, min(most, math.ceil(FILL_BLOCKS / max(bh_kv, 1))))
     return bh_kv, chunks, QUADS
 
 
