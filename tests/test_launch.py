@@ -168,6 +168,44 @@ def test_disk_cache_holds_cubins_keyed_by_target(tmp_path, monkeypatch):
     assert all(launch.source_hash() in n for n in names)
 
 
+def test_disk_cache_never_pairs_one_compile_with_another(tmp_path,
+                                                        monkeypatch):
+    # processes that miss the cache at once each compile and store the
+    # kernel, and numba's mangled entry names differ between them: what
+    # any of them reads back is one compile's cubin with its own entry
+    import threading
+
+    monkeypatch.setenv("FLASHLAB_CACHE_DIR", str(tmp_path))
+    writers = 8
+    together = threading.Barrier(writers)
+
+    def assemble(ptx, cc, max_registers=None):
+        together.wait()  # every writer has missed before any stores
+        return f"cubin of {launch.entry_name(ptx)}".encode() * 1000
+
+    monkeypatch.setattr(launch, "assemble", assemble)
+    got = []
+
+    def compile_and_store(n):
+        got.append(launch.cached_module(
+            "row_dot", 0, 0, (9, 0, "a"),
+            lambda: f".entry _Z7row_dot{n}$ (\n"))
+
+    threads = [threading.Thread(target=compile_and_store, args=(n,))
+               for n in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got.append(launch.cached_module("row_dot", 0, 0, (9, 0, "a"),
+                                    lambda: pytest.fail("compiled again")))
+    assert len(got) == writers + 1
+    for cubin, entry in got:
+        assert cubin == f"cubin of {entry}".encode() * 1000
+    assert len({entry for _, entry in got[:-1]}) == writers
+    assert [p.suffix for p in tmp_path.iterdir()] == [".kernel"]
+
+
 def test_registry_is_the_one_list():
     assert set(build.FACTORIES) == set(registry.BY_NAME)
     assert set(gpu.kernel_names()) == {k.name for k in registry.KERNELS

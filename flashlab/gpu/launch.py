@@ -33,6 +33,7 @@ import hashlib
 import os
 import re
 import struct
+import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -451,20 +452,27 @@ def assemble(ptx, cc, max_registers=None):
 
 def cached_module(name, d, d_v, cc, compile_fn, max_registers=None):
     """(cubin, entry name) of (name, d, d_v) for target cc from the disk
-    cache; on a miss, compile_fn() gives the PTX, assembled and stored."""
+    cache; on a miss, compile_fn() gives the PTX, assembled and stored.
+
+    Entry and cubin are one file: numba's mangled names differ from one
+    process to the next, and two files, each replaced on its own by
+    processes compiling at once (pytest -n), could pair one process's
+    cubin with another's entry name."""
     key = (f"{name}-{d}-{d_v}-{arch_name(cc)}-{max_registers}-"
            f"{source_hash()}")
-    cubin, entry = cache_dir() / f"{key}.cubin", cache_dir() / f"{key}.entry"
-    if cubin.exists() and entry.exists():
-        return cubin.read_bytes(), entry.read_text()
+    path = cache_dir() / f"{key}.kernel"
+    if path.exists():
+        entry, _, cubin = path.read_bytes().partition(b"\n")
+        if cubin:
+            return cubin, entry.decode()
     ptx = compile_fn()
     found = assemble(ptx, cc, max_registers), entry_name(ptx)
     try:
-        cubin.parent.mkdir(parents=True, exist_ok=True)
-        for path, data in ((cubin, found[0]), (entry, found[1].encode())):
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)  # atomic: other processes never see half
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False,
+                                         suffix=".tmp") as tmp:
+            tmp.write(found[1].encode() + b"\n" + found[0])
+        os.replace(tmp.name, path)  # atomic: no one sees half of it
     except OSError:
         pass  # a read-only home only costs the next process a compile
     return found
