@@ -37,6 +37,12 @@ def check_forward(q, k, v, version, **opts):
     nk = k.shape[-2]
     _, tile = gpu.tile_shape(version, q.shape[-1], v.shape[-1])
     merges = -(-nk // tile)  # v1 merges key by key
+    if version == 6:
+        # 3xTF32 carries each operand to 2**-22 of itself (hi and lo of
+        # 11 bits each) where float32 carries it to 2**-24: four times
+        # naive float32's rounding of the scores (twice it was exceeded
+        # by 5% in a draw of 112 queries and 41 keys, d = 128, causal)
+        err_naive *= 4
     assert max_abs_err(o, o_ref) <= float32_budget(err_naive, o_ref, merges)
     finite = np.isfinite(lse_ref)
     assert np.array_equal(finite, np.isfinite(lse))
