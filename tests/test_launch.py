@@ -206,6 +206,40 @@ def test_disk_cache_never_pairs_one_compile_with_another(tmp_path,
     assert [p.suffix for p in tmp_path.iterdir()] == [".kernel"]
 
 
+def test_a_stored_kernel_the_driver_refuses_is_compiled_again(
+        tmp_path, monkeypatch):
+    # a damaged or foreign image in the cache: build.load compiles the
+    # kernel again and replaces it, rather than failing in every process
+    monkeypatch.setenv("FLASHLAB_CACHE_DIR", str(tmp_path))
+    made = []
+
+    def compile_ptx(name, d, d_v, cc):
+        made.append(name)
+        return f".entry _Z{len(made)}{name} (\n"
+
+    def assemble(ptx, cc, max_registers=None):
+        return f"cubin of {launch.entry_name(ptx)}".encode()
+
+    def load(cubin, entry, name, argtypes):
+        if cubin != f"cubin of {entry}".encode():
+            raise RuntimeError(f"cuModuleGetFunction of {name}")
+        return launch.DriverKernel(name, 1, argtypes, None)
+
+    monkeypatch.setattr(build, "compile_ptx", compile_ptx)
+    monkeypatch.setattr(launch, "assemble", assemble)
+    monkeypatch.setattr(launch, "load", load)
+    cc = (9, 0, "a")
+    build.load("row_dot", 0, 0, cc)  # compiled and stored
+    (path,) = tmp_path.iterdir()
+    path.write_bytes(b"_Zother\n" + b"cubin of _Z1row_dot")  # torn
+    build.load("row_dot", 0, 0, cc)  # refused, so compiled again
+    assert len(made) == 2
+    entry, _, cubin = path.read_bytes().partition(b"\n")
+    assert cubin == b"cubin of " + entry  # the stored pair replaced
+    build.load("row_dot", 0, 0, cc)  # and read back as it is
+    assert len(made) == 2
+
+
 def test_registry_is_the_one_list():
     assert set(build.FACTORIES) == set(registry.BY_NAME)
     assert set(gpu.kernel_names()) == {k.name for k in registry.KERNELS

@@ -41,10 +41,18 @@ def load(name, d, d_v, cc=None):
         raise ValueError(
             f"name: {name} needs compute capability {spec.min_cc} or "
             f"newer; this device has {cc[:2]}")
-    cubin, entry = launch.cached_module(
-        name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
-        spec.registers(d, d_v))
-    loaded = launch.load(cubin, entry, name, signature(name))
+    def module(fresh):
+        return launch.cached_module(
+            name, d, d_v, cc, lambda: compile_ptx(name, d, d_v, cc),
+            spec.registers(d, d_v), fresh)
+
+    try:
+        loaded = launch.load(*module(False), name, signature(name))
+    except RuntimeError:
+        # a stored image the driver refuses (damaged, or not this
+        # kernel's) would fail every later process too: compiled again,
+        # it replaces the stored one
+        loaded = launch.load(*module(True), name, signature(name))
     dynamic = traits.traits(name, d, d_v).dynamic_shared
     if dynamic:
         loaded.use_shared(dynamic)

@@ -450,9 +450,11 @@ def assemble(ptx, cc, max_registers=None):
                         options=options).link("cubin").code)
 
 
-def cached_module(name, d, d_v, cc, compile_fn, max_registers=None):
+def cached_module(name, d, d_v, cc, compile_fn, max_registers=None,
+                  fresh=False):
     """(cubin, entry name) of (name, d, d_v) for target cc from the disk
-    cache; on a miss, compile_fn() gives the PTX, assembled and stored.
+    cache; on a miss, or `fresh`, compile_fn() gives the PTX, assembled
+    and stored.
 
     Entry and cubin are one file: numba's mangled names differ from one
     process to the next, and two files, each replaced on its own by
@@ -461,7 +463,7 @@ def cached_module(name, d, d_v, cc, compile_fn, max_registers=None):
     key = (f"{name}-{d}-{d_v}-{arch_name(cc)}-{max_registers}-"
            f"{source_hash()}")
     path = cache_dir() / f"{key}.kernel"
-    if path.exists():
+    if path.exists() and not fresh:
         entry, _, cubin = path.read_bytes().partition(b"\n")
         if cubin:
             return cubin, entry.decode()
