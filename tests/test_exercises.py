@@ -4,7 +4,7 @@ caught with the hint that names them, messages say where and what."""
 import numpy as np
 import pytest
 
-from flashlab import exercises
+from flashlab import exercises, fragments
 
 NAMES = sorted(exercises.EXERCISES)
 MISTAKES = [(name, k) for name in NAMES
@@ -393,3 +393,24 @@ def test_chapter12_o_staged_place_is_the_staged_epilogues_map():
             reads.setdefault((step, lane), set()).add(offset // 16)
         assert all(len(x) == 1 for x in reads.values())
         assert len(reads) == 2 * d_v
+
+
+def test_chapter12_o_stage_block_is_where_forward_v8_stages():
+    # every warp of every consumer warpgroup, at each (d, d_v) whose
+    # staging lies in Q_i's tile, against fragments.stage_place as the
+    # kernel calls it (forward_v8: staged = 16 rows of 2 d_v bytes)
+    from flashlab.gpu import forward_v8
+
+    place = exercises.solution("o_stage_block")
+    seen = 0
+    for d in forward_v8.HEAD_DIMS:
+        for d_v in forward_v8.HEAD_DIMS:
+            if forward_v8.stage_bytes(d, d_v):
+                continue  # staged past V's stages, not in Q_i
+            rows = forward_v8.block_rows(d, d_v)
+            for wg in range(forward_v8.groups(d, d_v)):
+                for u in range(4):
+                    assert place(u, wg, rows, d_v) == fragments.stage_place(
+                        u, wg, rows, 16 * 2 * d_v)
+                    seen += 1
+    assert seen == 4 * (3 + 2 + 2)  # (64, 64), (128, 128), (128, 64)

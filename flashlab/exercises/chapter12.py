@@ -1406,3 +1406,57 @@ register("o_staged_place", Exercise(
       _staged_column_major),
      ("a word holds a pair: the odd column is its upper half, 2 bytes "
       "past the even one", _staged_word_only))))
+
+# --------------------------------------------------------- o_stage_block
+
+
+def _cases_o_stage_block(rng):
+    # the blocks whose staging lies in Q_i's tile (forward_v8.stage_bytes
+    # 0): two warpgroups at d = 128, d_v 128 or 64, and three at
+    # d = d_v = 64. At d_v = 128 warpgroup 1 comes first: the warps
+    # stacked back to back go wrong there before any other mistake does
+    out = []
+    for rows, d_v, groups in ((128, 128, 2), (128, 64, 2), (192, 64, 3)):
+        for wg in reversed(range(groups)):
+            for u in range(4):
+                out.append(Case(
+                    f"{rows} rows, d_v = {d_v}: warp {u} of warpgroup {wg}",
+                    (u, wg, rows, d_v),
+                    fragments.stage_place(u, wg, rows, 32 * d_v)))
+    return out
+
+
+def o_stage_block(u, wg, rows, d_v):
+    """Chapter 12: the byte in forward v8's tile of Q_i (`rows` rows,
+    128-byte-swizzled panels of 64 columns, each rows x 128 bytes) where
+    warp u (0..3) of consumer warpgroup wg stages its 16 rows of O_i in
+    the epilogue, 2 d_v bytes a row.
+
+    Warpgroup wg's products read rows 64 wg .. 64 wg + 63 of every
+    panel, 8192 bytes of it, which nobody reads once its last S product
+    is done; its four warps fill those bytes in order, panel after panel.
+    """
+    staged = 16 * 2 * d_v  # a warp's 16 rows of O_i
+    panel, within = divmod(u * staged, 64 * 128)
+    return panel * rows * 128 + wg * 64 * 128 + within
+
+
+def _stage_one_panel(u, wg, rows, d_v):
+    return wg * 64 * 128 + u * 16 * 2 * d_v
+
+
+def _stage_back_to_back(u, wg, rows, d_v):
+    return (4 * wg + u) * 16 * 2 * d_v
+
+
+register("o_stage_block", Exercise(
+    12, "o_stage_block(u, wg, rows, d_v) -> byte: where in Q_i's tile "
+    "warp u of consumer warpgroup wg stages its 16 rows of O_i in forward "
+    "v8's epilogue",
+    _cases_o_stage_block, o_stage_block,
+    (("a warpgroup owns 8192 bytes of each panel (64 rows x 128 bytes); "
+      "at d_v = 128 its warps need 16384, so warps 2 and 3 go on in the "
+      "next panel, rows x 128 bytes further", _stage_one_panel),
+     ("the tile is not row after row: a warpgroup's rows lie in every "
+      "panel, 8192 bytes from wg 8192 on, so warpgroup 1 starts at byte "
+      "8192 of each panel whatever d_v is", _stage_back_to_back))))
