@@ -9,7 +9,7 @@ without NUMBA_ENABLE_CUDASIM (numba reads that flag once per process).
 import pytest
 
 from flashlab import gpu, ptx
-from flashlab.gpu import backward_v5, forward_v7, forward_v8
+from flashlab.gpu import backward_v5, forward_v7, forward_v8, registry, warp
 
 SHARED_LIMIT = 48 * 1024  # static shared memory per block
 
@@ -48,7 +48,9 @@ def test_forward_kernels_use_fast_float32_exp(report):
 def test_bandwidth_kernels_load_16_bytes_into_registers():
     # row_dot16 and find_bad_parts (helpers: not in the report) read with
     # ld.global.nc.v4 and keep what they loaded in registers: no local
-    # arrays, and no spill where ptxas is installed
+    # arrays, and no spill where ptxas is installed, at the register cap
+    # the registry gives them (row_dot16's: warp.DOT_BLOCKS_PER_SM blocks
+    # of warp.THREADS fit an SM's 65536 registers)
     import json
     import os
     import subprocess
@@ -57,11 +59,12 @@ def test_bandwidth_kernels_load_16_bytes_into_registers():
     names = ("row_dot_bf16", "row_dot_f16", "find_bad_parts32",
              "find_bad_parts16", "find_bad_parts8")
     code = ("import json; from flashlab import ptx; "
-            "from flashlab.gpu import build; out = {}\n"
+            "from flashlab.gpu import build, registry; out = {}\n"
             f"for name in {names!r}:\n"
             "    text = build.compile_ptx(name, 0, 0, ptx.HOPPER)\n"
+            "    cap = registry.get(name).registers(0, 0)\n"
             "    out[name] = [ptx.wide_loads(text), ptx.local_bytes(text),"
-            " ptx.assemble(text, ptx.HOPPER)['spill'] if ptx.ptxas() "
+            " ptx.assemble(text, ptx.HOPPER, cap)['spill'] if ptx.ptxas() "
             "else 0]\n"
             "print(json.dumps(out))")
     env = {k: v for k, v in os.environ.items()
@@ -71,6 +74,9 @@ def test_bandwidth_kernels_load_16_bytes_into_registers():
         text=True, check=True).stdout)
     for name, (wide, local, spill) in found.items():
         assert wide > 0 and local == 0 and not spill, (name, found)
+    for kind in ("bf16", "f16"):
+        cap = registry.get(f"row_dot_{kind}").registers(0, 0)
+        assert cap * warp.THREADS * warp.DOT_BLOCKS_PER_SM == 65536
 
 
 def test_counting_wide_loads():

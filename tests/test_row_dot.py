@@ -38,7 +38,7 @@ def places(rows, d_v, blocks):
     (1, 16, None), (37, 48, None), (70, 64, None), (1000, 128, None),
     (1000, 128, 1), (333, 112, 2), (129, 32, 3)])
 def test_every_piece_loaded_and_row_stored_once(rows, d_v, blocks):
-    blocks = blocks or warp.dot_grid(rows, d_v)[0]
+    blocks = blocks or warp.dot_grid(rows, d_v, 132)[0]
     loads, stores = places(rows, d_v, blocks)
     want = [(r, x) for r in range(rows) for x in range(d_v // 8)]
     assert sorted(loads) == want
@@ -49,9 +49,11 @@ def test_dot_grid():
     # 16 lanes a row at d_v = 128: 2 rows a warp's load, 4 loads, 4 warps
     assert fragments.row_dot_lanes(128) == 16
     assert fragments.row_dot_lanes(48) == 8
-    assert warp.dot_grid(32, 128) == (1,)
-    assert warp.dot_grid(33, 128) == (2,)
-    assert warp.dot_grid(10**8, 64) == (warp.DOT_BLOCKS,)
+    assert warp.dot_grid(32, 128, 132) == (1,)
+    assert warp.dot_grid(33, 128, 132) == (2,)
+    # no more blocks than the GPU holds at once: they take turns
+    assert warp.dot_grid(10**8, 64, 132) == (132 * warp.DOT_BLOCKS_PER_SM,)
+    assert warp.dot_grid(10**8, 64, 1) == (warp.DOT_BLOCKS_PER_SM,)
 
 
 @pytest.mark.parametrize("d_v", [4, 12, 264])
@@ -83,7 +85,7 @@ def test_rows_match_numpy(rng, kind, rows, d_v, blocks):
     do, do_bits = bits(rng.standard_normal((rows, d_v)) * 3, kind)
     o, o_bits = bits(rng.standard_normal((rows, d_v)), kind)
     delta = cuda.to_device(np.full(rows, np.nan, np.float32))  # poison
-    grid = warp.dot_grid(rows, d_v) if blocks is None else (blocks,)
+    grid = warp.dot_grid(rows, d_v, 132) if blocks is None else (blocks,)
     kernel = getattr(warp, f"row_dot_{kind}")
     kernel[grid, warp.THREADS](cuda.to_device(do_bits.view(np.int32)),
                                cuda.to_device(o_bits.view(np.int32)),

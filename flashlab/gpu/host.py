@@ -1118,7 +1118,7 @@ class _BackwardPlan:
             *(x.view(torch.int32).view(bh * nq, d_v // 2)
               for x in (do, o)), self._delta(q).view(bh * nq))
         self.row_grid = (math.ceil(nq / device.THREADS), bh)
-        self.dot_grid = warp.dot_grid(bh * nq, d_v)
+        self.dot_grid = warp.dot_grid(bh * nq, d_v, _multiprocessors())
         self.statistics = kernel(f"row_statistics_{kind}", 0, 0).pack(
             bits[0].view(bh, nq, d), bits[1].view(call.bh_kv, nk, d),
             lse.view(bh, nq), self._stats(q), *call.args)

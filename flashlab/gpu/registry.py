@@ -218,9 +218,11 @@ KERNELS = (
            "transpose8", (E4M3,),
            **dict(_HELPER, threads=forward_v8.transpose_threads(
                max(forward_v8.E4M3_DIMS)))),
-    # 16 bytes a lane, warp.dot_lanes a row, a grid-stride loop
+    # 16 bytes a lane, warp.dot_lanes a row, a grid-stride loop; capped
+    # so that an SM holds warp.DOT_BLOCKS_PER_SM blocks
     *(Kernel(f"row_dot_{kind}", _fixed(getattr(warp, f"row_dot_{kind}")),
-             "row_dot16", (dtype,), **dict(_HELPER, threads=warp.THREADS))
+             "row_dot16", (dtype,), max_registers=warp.DOT_REGISTERS,
+             **dict(_HELPER, threads=warp.THREADS))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),

@@ -509,15 +509,21 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
 
 
 DOT_UNROLL = fragments.ROW_DOT_UNROLL  # rows a lane loads before summing
-DOT_BLOCKS = 2048  # most blocks of row_dot16: 16 an SM on 128 SMs
+# row_dot16's blocks an SM holds at once, at DOT_REGISTERS a thread: its
+# 68 registers uncapped let 7 in, 64 let in 8 without a spill (48 spill)
+DOT_BLOCKS_PER_SM = 8
+DOT_REGISTERS = 65536 // (DOT_BLOCKS_PER_SM * THREADS)
 
 
-def dot_grid(rows, d_v):
+def dot_grid(rows, d_v, multiprocessors):
     """row_dot16's grid for `rows` rows of d_v values (one dimension):
-    enough blocks of THREADS for every row, DOT_BLOCKS at most (each then
-    takes several turns: starting blocks cost more than the loop)."""
+    enough blocks of THREADS for every row, at most as many as the GPU's
+    `multiprocessors` hold at once (DOT_BLOCKS_PER_SM each), which then
+    take turns over the rows: a second wave of blocks would leave most
+    of the GPU idle while its last blocks run."""
     rows_a_block = THREADS // fragments.row_dot_lanes(d_v) * DOT_UNROLL
-    return (max(1, min(DOT_BLOCKS, math.ceil(rows / rows_a_block))),)
+    most = DOT_BLOCKS_PER_SM * multiprocessors
+    return (max(1, min(most, math.ceil(rows / rows_a_block))),)
 
 
 _dot_place = inline(fragments.row_dot_place)  # row_dot16's own
