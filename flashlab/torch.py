@@ -338,8 +338,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0,
     v8's fused kernel, whose additions TMA makes; dQ's last bits vary run
     to run); the default gives the same bits every run (on Hopper
     backward v9, that kernel with the additions in a fixed order, from
-    8192 keys on, or 2048 in many heads: gpu.registry.ordered_pays;
-    elsewhere v8's two kernels).
+    2048 keys on: gpu.registry.ordered_pays; elsewhere v8's two
+    kernels).
     With dropout_p > 0 and no seed, a seed is drawn from torch's
     generator, so torch.manual_seed makes runs repeatable. Rows that no
     key may attend give 0 (and lse -inf) where SDPA gives NaN. See

@@ -172,16 +172,9 @@ def test_backward_v8_is_registered_with_its_maps_derived():
                         (registry.ORDERED_MIN_KEYS - 1, 8)):
         assert registry.backward_version("bfloat16", 128, 128, (9, 0),
                                          nk) == version
-    # or from ORDERED_WIDE_KEYS on where query heads x keys reach
-    # ORDERED_WIDE_ROWS; heads unknown: by keys alone
-    wide = registry.ORDERED_WIDE_KEYS
-    many = registry.ORDERED_WIDE_ROWS // wide
-    for nk, heads, version in ((wide, many, 9), (wide, many - 1, 8),
-                               (wide - 1, 2 * many, 8), (wide, None, 8),
-                               (registry.ORDERED_MIN_KEYS, 1, 9)):
-        assert registry.backward_version("bfloat16", 128, 128, (9, 0),
-                                         nk, heads) == version, (nk, heads)
-        assert registry.ordered_pays(nk, heads) == (version == 9)
+        assert registry.ordered_pays(nk) == (version == 9)
+    # keys unknown: v9
+    assert registry.ordered_pays(None)
     assert registry.backward_version("bfloat16", 128, 128, (8, 0)) == 5
     assert registry.backward_version("float16", 64, 64, (8, 0)) == 5
     assert registry.backward_names(8, "f16") == ("backward_v8_dkv_f16",
@@ -241,13 +234,6 @@ def test_the_16bit_backward_runs_a_fused_kernel_only_without_determinism(
                                   short) == names
     assert host._backward16_names(9, "bfloat16", d, d, deterministic,
                                   short) == v9
-    # and in many heads v9 from ORDERED_WIDE_KEYS on
-    wide = registry.ORDERED_WIDE_KEYS
-    many = registry.ORDERED_WIDE_ROWS // wide
-    assert host._backward16_names(None, "bfloat16", d, d, deterministic,
-                                  wide, many) == v9
-    assert host._backward16_names(None, "bfloat16", d, d, deterministic,
-                                  wide, many // 2) == names
     v7 = ("backward_v7_dkv_bf16", "backward_v7_dq_bf16") if \
         deterministic else ("backward_v7_fused_bf16", None)
     assert host._backward16_names(7, "bfloat16", d, d, deterministic) == v7

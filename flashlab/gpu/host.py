@@ -324,7 +324,7 @@ def attention_backward(q, k, v, o, lse, do, *, block_q=None, block_k=None,
                 f"{backward_v5.HEAD_DIMS}, got d={d}, d_v={d_v}; pass "
                 f"float32 copies")
         names = _backward16_names(version, dtype, d, d_v, deterministic,
-                                  k.shape[-2], math.prod(q.shape[:-2]))
+                                  k.shape[-2])
         keys_tr = traits.traits(names[0], d, d_v)
         # queries a tile: dQ's own rows, or the fused kernel's streamed
         rows = keys_tr.bc if names[1] is None else traits.traits(
@@ -436,12 +436,12 @@ def attention_statistics(q, k, v, lse, *, scale=None, causal=False, mask=None,
 
 
 def _backward16_names(version, dtype, d, d_v, deterministic=True,
-                      nk=None, heads=None):
+                      nk=None):
     """(dK/dV, dQ) kernel names of the 16-bit backward `version` (5, 7, 8,
-    9; None: registry.backward_version, at nk keys and `heads` query
-    heads) for this GPU; (fused, None) for v9, and for v7 and v8 (v8's
-    for v9) where atomics are allowed (not deterministic) and the fused
-    kernel takes d, d_v (v8's: d = d_v)."""
+    9; None: registry.backward_version, at nk keys) for this GPU; (fused,
+    None) for v9, and for v7 and v8 (v8's for v9) where atomics are
+    allowed (not deterministic) and the fused kernel takes d, d_v (v8's:
+    d = d_v)."""
     from numba import config
 
     simulator = config.ENABLE_CUDASIM
@@ -450,7 +450,7 @@ def _backward16_names(version, dtype, d, d_v, deterministic=True,
     if version is None:
         # v9 where it runs (d = d_v), else v8, else v7; the fused
         # kernels where atomics are allowed
-        version = registry.backward_version(dtype, d, d_v, cc, nk, heads)
+        version = registry.backward_version(dtype, d, d_v, cc, nk)
     elif isinstance(version, bool) or \
             version not in registry.BACKWARD_VERSIONS:
         raise ValueError(f"version: expected one of "

@@ -280,43 +280,37 @@ def best_version(dtype, d, d_v, cc, simulator=False):
     return None
 
 
-def backward_version(dtype, d, d_v, cc, nk=None, heads=None):
-    """The 16-bit backward `version=None` runs at nk keys and `heads`
-    query heads (batch times heads): 9 (one warp-specialized pass, dQ's
-    additions in a fixed order) on Hopper at d = d_v where
-    `ordered_pays`, else 8 (v7's kernels with a warp-specialized dK/dV)
-    where it takes d, d_v, else 7 (wgmma) there, 5 (mma.sync) from
-    compute capability 8.0 on; None where none runs (the caller widens
-    to float32)."""
+def backward_version(dtype, d, d_v, cc, nk=None):
+    """The 16-bit backward `version=None` runs at nk keys: 9 (one
+    warp-specialized pass, dQ's additions in a fixed order) on Hopper at
+    d = d_v where `ordered_pays`, else 8 (v7's kernels with a
+    warp-specialized dK/dV) where it takes d, d_v, else 7 (wgmma) there,
+    5 (mma.sync) from compute capability 8.0 on; None where none runs
+    (the caller widens to float32)."""
     for version in BACKWARD_VERSIONS:
         spec = BY_NAME[backward_names(version, "bf16")[0]]
-        skip = version == 9 and not ordered_pays(nk, heads)
+        skip = version == 9 and not ordered_pays(nk)
         if dtype in _HALF and spec.takes(d, d_v) and spec.runs_on(cc) \
                 and not skip:
             return version
     return None
 
 
-def ordered_pays(nk, heads=None):
-    """Whether backward v9 is the default at nk keys and `heads` query
-    heads (unknown: None): from ORDERED_MIN_KEYS keys on, or from
-    ORDERED_WIDE_KEYS on where heads x nk is ORDERED_WIDE_ROWS or more."""
-    if nk is None or nk >= ORDERED_MIN_KEYS:
-        return True
-    return heads is not None and nk >= ORDERED_WIDE_KEYS and \
-        heads * nk >= ORDERED_WIDE_ROWS
+def ordered_pays(nk):
+    """Whether backward v9 is the default at nk keys (unknown: None):
+    from ORDERED_MIN_KEYS keys on, whatever the heads."""
+    return nk is None or nk >= ORDERED_MIN_KEYS
 
 
 BACKWARD_VERSIONS = (9, 8, 7, 5)  # of the 16-bit backward, newest first
 # where version None runs backward v9: measured on the H200 (chapter 12,
-# the backward alone in runs of its own), slower than v8 at B2 H8 with
-# 4096 keys and at B16 H12 with 1024, faster from 8192 keys, and at 2048
-# and 4096 keys in 64 and 128 query heads. Not for its turns' waits: the
-# same kernel with turns from the highest rank down, which no block
-# waits for, took the same time (hopper_turns_h200.json)
-ORDERED_MIN_KEYS = 8192
-ORDERED_WIDE_KEYS = 2048
-ORDERED_WIDE_ROWS = 2**18  # query heads x keys: 128 heads of 2048
+# hopper_v9_default_h200.json), a training step's kernels took less time
+# with v9 than with v8's two kernels, or as long, at every shape from
+# 2048 keys tried (16 to 128 query heads, d = 64 and 128); at 1024 keys
+# too, but there the host sets a step's pace, and v9's plan launches two
+# more kernels (its counts' zeroing, dQ's rounding). Earlier builds of v9
+# were slower with few heads (hopper_whole_tiles_h200.csv)
+ORDERED_MIN_KEYS = 2048
 
 
 def backward_names(version, kind):
