@@ -23,6 +23,36 @@ class FakeDriver:
         return 0
 
 
+class FailingDriver:
+    """launch._cuda() stand-in whose cuLaunchKernel returns `err`."""
+
+    def __init__(self, err):
+        self.err = err
+
+    def cuLaunchKernel(self, *args):
+        return self.err
+
+
+@pytest.mark.parametrize("err, text", [
+    (2, "CUDA_ERROR_OUT_OF_MEMORY (2)"),
+    (700, "CUDA_ERROR_ILLEGAL_ADDRESS (700)"),
+    (987654, "CUresult 987654")])
+def test_a_failed_launch_names_the_kernel_and_the_failure(monkeypatch, err,
+                                                         text):
+    # the CUresult by its name where cuda.bindings knows it: an earlier
+    # kernel's sticky fault (700) reads apart from memory a launch could
+    # not get (2)
+    from numba import float32
+
+    pytest.importorskip("cuda.bindings")
+    kernel = launch.DriverKernel("k_of_test", 0, (float32[:, ::1],), None)
+    monkeypatch.setattr(launch, "_cuda", lambda: FailingDriver(err))
+    packed = kernel.pack(FakeDeviceArray((5, 3), np.float32, 0x1000))
+    with pytest.raises(RuntimeError) as caught:
+        packed.launch((1,), 32, 0)
+    assert str(caught.value) == f"cuLaunchKernel of k_of_test: {text}"
+
+
 def test_derived_arguments_are_packed_and_updated_before_each_launch(
         monkeypatch):
     from numba import float32, uint64

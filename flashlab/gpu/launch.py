@@ -274,7 +274,20 @@ class Packed:
         err = _cuda().cuLaunchKernel(*head, stream, None, self.extra)
         if err:
             raise RuntimeError(f"cuLaunchKernel of {kernel.name}: "
-                               f"CUresult {err}")
+                               f"{result_name(err)}")
+
+
+def result_name(err):
+    """A CUresult as its name and number ("CUDA_ERROR_OUT_OF_MEMORY
+    (2)"), or "CUresult N" for a number cuda.bindings does not know: the
+    name says which failure it was (a sticky fault of an earlier kernel,
+    700, or memory a launch could not get, 2)."""
+    try:
+        from cuda.bindings import driver
+
+        return f"{driver.CUresult(err).name} ({err})"
+    except (ImportError, ValueError):
+        return f"CUresult {err}"
 
 
 class Derived(NamedTuple):
