@@ -460,8 +460,17 @@ def test_step_gaps_median_rounds_is_the_median_round_a_step():
         10)
     assert got == {"us": 650.0, "cudnn_us": 410.0,
                    "x_cudnn": round(410 / 650, 3)}
+    # and deterministic=False's rounds, where there are any
+    got = step_gaps.median_rounds(
+        {"flashlab": [6.0, 5.0, 9.0], "flashlab atomic": [5.0, 5.2, 6.0],
+         "cudnn": [4.5, 4.0, 4.2]}, 10)
+    assert got == {"us": 600.0, "cudnn_us": 420.0, "x_cudnn": 0.7,
+                   "atomic_us": 520.0, "x_cudnn_atomic": round(420 / 520, 3)}
     with pytest.raises(ValueError, match="rounds_ms"):
         step_gaps.median_rounds({"flashlab": [1.0]}, 10)
+    with pytest.raises(ValueError, match="rounds_ms"):
+        step_gaps.median_rounds({"flashlab atomic": [1.0], "cudnn": [1.0]},
+                                10)
     with pytest.raises(ValueError, match="per_round"):
         step_gaps.median_rounds({"flashlab": [1.0], "cudnn": [1.0]}, 0)
 

@@ -71,7 +71,8 @@ def main(argv=None):
                          "cuDNN backends (training.csv)")
     ap.add_argument("--step-gaps", action="store_true",
                     help="where a bf16 training step leaves the GPU idle, "
-                         "flashlab against cuDNN (step_gaps.json)")
+                         "flashlab (deterministic and not) against cuDNN "
+                         "(step_gaps.json)")
     ap.add_argument("--forward-rounds", action="store_true",
                     help="the bf16 forward at B2 H8, N 4096 and 16384, "
                          "against SDPA's cuDNN and flash in alternating "

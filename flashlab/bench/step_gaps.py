@@ -1,7 +1,9 @@
 """Where a training step leaves the GPU idle: kernel times from CUPTI.
 
 One bf16 causal step (forward and backward by autograd) of
-flashlab.torch.attention and of SDPA's cuDNN backend, at each of SHAPES:
+flashlab.torch.attention (as it is, deterministic, and with
+deterministic=False, "flashlab atomic") and of SDPA's cuDNN backend, at
+each of SHAPES:
 5 steps to warm up, then `steps` steps under torch.profiler with CUDA
 activity only (kernel times on the GPU's clock, and no host events to
 slow the host), a synchronize after each. Per step: the kernels' total
@@ -10,7 +12,7 @@ the idle time between each kernel and the next, in launch order; the
 medians over the steps. "wait" is the idle time between the forward's
 kernel and the backward's first. Also each kernel's (and memset's) time
 a step by name, the mean over the steps (`by_name`). Then the step as a
-user times it: the two in alternating rounds of 10 steps between CUDA
+user times it: the three in alternating rounds of 10 steps between CUDA
 events, the median round (`user_steps`). Writes step_gaps.json. See
 chapter 12, "The GPU's wait between the forward and the backward" and
 "dQ without a zeroed sum".
@@ -24,7 +26,7 @@ import tempfile
 SHAPES = ((16, 12, 1024, 64), (8, 16, 2048, 128))  # (B, H, N, d)
 # where the forward's own kernel is among a step's kernels: flashlab's
 # comes after V's bad-column flags (find_bad_parts), cuDNN's first
-FORWARD_AT = {"flashlab": 1, "cudnn": 0}
+FORWARD_AT = {"flashlab": 1, "flashlab atomic": 1, "cudnn": 0}
 
 
 def summarize(kernels, steps, forward_at):
@@ -105,12 +107,16 @@ def training_steps(shapes=SHAPES):
     """For each (B, H, N, d) of `shapes`: that shape and {impl: step}, a
     function of no arguments that runs one bf16 causal step of impl
     (forward, then autograd's backward from a fixed dO) on the same
-    tensors, for impl flashlab and cudnn (SDPA's cuDNN backend)."""
+    tensors, for impl flashlab, flashlab atomic (deterministic=False)
+    and cudnn (SDPA's cuDNN backend)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from flashlab import torch as fl_torch
+
+    def atomic(*args, **kw):
+        return fl_torch.attention(*args, deterministic=False, **kw)
 
     def cudnn(*args, **kw):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -124,6 +130,7 @@ def training_steps(shapes=SHAPES):
         leaves = [x.requires_grad_(True) for x in (q, k, v)]
         steps = {}
         for name, attend in (("flashlab", fl_torch.attention),
+                             ("flashlab atomic", atomic),
                              ("cudnn", cudnn)):
             def step(attend=attend, leaves=leaves, do=do):
                 return torch.autograd.grad(attend(*leaves, is_causal=True),
@@ -149,7 +156,7 @@ def rows(shapes=SHAPES, steps=20, warm=5):
             names = by_name([(x, dur) for _, dur, x, _ in events], steps)
             out.append(dict(impl=name, B=b, H=h, N=n, d=d, **found,
                             by_name_us=names))
-            print(f"B{b} H{h} N{n} d{d} {name:<9} kernels "
+            print(f"B{b} H{h} N{n} d{d} {name:<15} kernels "
                   f"{found['kernel_us']:8.1f} us, span "
                   f"{found['first_to_last_us']:8.1f}, idle "
                   f"{found['idle_us']:6.1f}, wait {found['wait_us']:6.1f}",
@@ -162,23 +169,32 @@ def rows(shapes=SHAPES, steps=20, warm=5):
 def median_rounds(rounds_ms, per_round):
     """{"us", "cudnn_us", "x_cudnn"} from each implementation's ms per
     round of `per_round` steps ({"flashlab": [...], "cudnn": [...]}):
-    the median round's µs a step, and cuDNN's over flashlab's."""
-    if not all(rounds_ms.get(x) for x in FORWARD_AT):
-        raise ValueError(f"rounds_ms: expected rounds of each of "
-                         f"{tuple(FORWARD_AT)}, got {rounds_ms!r}")
+    the median round's µs a step, and cuDNN's over flashlab's; with
+    "flashlab atomic" rounds too, "atomic_us" and "x_cudnn_atomic"."""
+    if not all(rounds_ms.get(x) for x in ("flashlab", "cudnn")):
+        raise ValueError(f"rounds_ms: expected rounds of flashlab and "
+                         f"cudnn, got {rounds_ms!r}")
     if per_round < 1:
         raise ValueError(f"per_round: expected at least 1, got "
                          f"{per_round}")
-    fl, cu = (1000 * statistics.median(rounds_ms[x]) / per_round
-              for x in ("flashlab", "cudnn"))
-    return dict(us=round(fl, 1), cudnn_us=round(cu, 1),
-                x_cudnn=round(cu / fl, 3))
+
+    def us(x):  # the median round's µs a step
+        return 1000 * statistics.median(rounds_ms[x]) / per_round
+
+    fl, cu = us("flashlab"), us("cudnn")
+    out = dict(us=round(fl, 1), cudnn_us=round(cu, 1),
+               x_cudnn=round(cu / fl, 3))
+    if rounds_ms.get("flashlab atomic"):
+        at = us("flashlab atomic")
+        out.update(atomic_us=round(at, 1), x_cudnn_atomic=round(cu / at, 3))
+    return out
 
 
 def user_steps(shapes=SHAPES, rounds=6, per_round=10, warm=5):
     """One row per shape: a step as a user times it (`median_rounds`),
-    flashlab and cuDNN in alternating rounds, a CUDA event pair around
-    each round of `per_round` steps and a synchronize before it."""
+    training_steps' implementations in alternating rounds, a CUDA event
+    pair around each round of `per_round` steps and a synchronize before
+    it."""
     import torch
 
     out = []
@@ -202,7 +218,9 @@ def user_steps(shapes=SHAPES, rounds=6, per_round=10, warm=5):
         out.append(dict(B=b, H=h, N=n, d=d, **found))
         print(f"B{b} H{h} N{n} d{d} a step as timed: flashlab "
               f"{found['us']:8.1f} us, cuDNN {found['cudnn_us']:8.1f} us, "
-              f"{found['x_cudnn']:.2f}x cuDNN", flush=True)
+              f"{found['x_cudnn']:.2f}x cuDNN; deterministic=False "
+              f"{found['atomic_us']:8.1f} us, "
+              f"{found['x_cudnn_atomic']:.2f}x cuDNN", flush=True)
     return out
 
 
