@@ -369,15 +369,27 @@ def row_dot_lanes(d_v):
     return lanes
 
 
+def row_dot_lane(lane, lanes):
+    """(row of a load, 16-byte piece of it) that `lane` of row_dot16
+    takes in every load, rows shared by `lanes` lanes."""
+    return lane // lanes, lane % lanes
+
+
+def row_dot_base(warp, turn, lanes, warps):
+    """The first row of turn `turn` of warp `warp` (of `warps` in the
+    grid) of row_dot16, rows shared by `lanes` lanes: a warp's load
+    covers 32 / lanes rows, its ROW_DOT_UNROLL loads the next ones, and
+    the grid's warps then move on together."""
+    return (turn * warps + warp) * (32 // lanes) * ROW_DOT_UNROLL
+
+
 def row_dot_place(warp, turn, u, lane, lanes, warps):
     """(row, 16-byte piece of it) that `lane` of warp `warp` (of `warps`
-    in the grid) loads in load u of its turn `turn` of row_dot16, rows
-    shared by `lanes` lanes: a warp's load covers 32 / lanes rows, its
-    ROW_DOT_UNROLL loads the next ones, and the grid's warps then move
-    on together."""
-    per_load = 32 // lanes
-    base = (turn * warps + warp) * per_load * ROW_DOT_UNROLL
-    return base + u * per_load + lane // lanes, lane % lanes
+    in the grid) loads in load u of its turn `turn` of row_dot16
+    (`row_dot_base`, `row_dot_lane`)."""
+    row, piece = row_dot_lane(lane, lanes)
+    return (row_dot_base(warp, turn, lanes, warps) + u * (32 // lanes)
+            + row, piece)
 
 
 def descriptor(address, lbo, sbo):

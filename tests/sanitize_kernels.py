@@ -127,11 +127,11 @@ def forward16(rng):
 
 
 def plans16(rng):
-    """The prepared plans' own helper kernels (find_bad_parts, row_dot16
-    and the statistics) and kernels, through flashlab.torch on bf16 CUDA
-    tensors: query lengths that leave a row_dot16 block's later passes,
-    or part of its last pass, without rows; then a NaN in V; then
-    backward v9's plan (`ordered_plans`)."""
+    """The prepared plans' own helper kernels (find_bad_parts and
+    prepare16: D, the statistics, v9's counts) and kernels, through
+    flashlab.torch on bf16 CUDA tensors: query lengths that leave a
+    prepare16 block's later passes, or part of its last pass, without
+    rows; then a NaN in V; then backward v9's plan (`ordered_plans`)."""
     import torch
 
     from flashlab import tiled

@@ -46,18 +46,19 @@ def test_forward_kernels_use_fast_float32_exp(report):
 
 
 def test_bandwidth_kernels_load_16_bytes_into_registers():
-    # row_dot16 and find_bad_parts (helpers: not in the report) read with
-    # ld.global.nc.v4 and keep what they loaded in registers: no local
-    # arrays, and no spill where ptxas is installed, at the register cap
-    # the registry gives them (row_dot16's: warp.DOT_BLOCKS_PER_SM blocks
-    # of warp.THREADS fit an SM's 65536 registers)
+    # row_dot16, prepare16 and find_bad_parts (helpers: not in the report)
+    # read with ld.global.nc.v4 and keep what they loaded in registers: no
+    # local arrays, and no spill where ptxas is installed, at the register
+    # cap the registry gives them (row_dot16's: warp.DOT_BLOCKS_PER_SM
+    # blocks of warp.THREADS fill an SM's 65536 registers; prepare16's:
+    # warp.PREPARE_BLOCKS_PER_SM fit, and no more would)
     import json
     import os
     import subprocess
     import sys
 
-    names = ("row_dot_bf16", "row_dot_f16", "find_bad_parts32",
-             "find_bad_parts16", "find_bad_parts8")
+    names = ("row_dot_bf16", "row_dot_f16", "prepare_bf16", "prepare_f16",
+             "find_bad_parts32", "find_bad_parts16", "find_bad_parts8")
     code = ("import json; from flashlab import ptx; "
             "from flashlab.gpu import build, registry; out = {}\n"
             f"for name in {names!r}:\n"
@@ -77,6 +78,10 @@ def test_bandwidth_kernels_load_16_bytes_into_registers():
     for kind in ("bf16", "f16"):
         cap = registry.get(f"row_dot_{kind}").registers(0, 0)
         assert cap * warp.THREADS * warp.DOT_BLOCKS_PER_SM == 65536
+        cap = registry.get(f"prepare_{kind}").registers(0, 0)
+        blocks = warp.PREPARE_BLOCKS_PER_SM
+        assert cap * warp.THREADS * blocks <= 65536
+        assert cap * warp.THREADS * (blocks + 1) > 65536
 
 
 def test_counting_wide_loads():

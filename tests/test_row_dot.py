@@ -1,4 +1,5 @@
-"""warp.row_dot16, the backward's D = rowsum(dO o O): in CI, the places
+"""warp.row_dot16, the backward's D = rowsum(dO o O), and prepare16, which
+sums it as row_dot16 does beside its other work: in CI, the places
 its lanes load and store (fragments.row_dot_place, which the kernel runs)
 cover every 16-byte piece of every row once and store every row once;
 on a GPU, each row's float32 sum against numpy's float64 of the same
@@ -96,3 +97,57 @@ def test_rows_match_numpy(rng, kind, rows, d_v, blocks):
     # err by at most d_v ulps of the sum of |terms| (2^-24 each)
     bound = d_v * 2.0**-24 * np.abs(do * o).sum(axis=1)
     assert np.all(np.abs(got - want) <= bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("heads, nq, nk, d, causal, tiles", [
+    (1, 1, 5, 64, False, 1), (3, 77, 130, 128, True, 2),
+    (4, 300, 257, 64, False, 0), (2, 1000, 1000, 128, True, 16)])
+def test_prepare_is_row_dot_and_statistics(rng, kind, heads, nq, nk, d,
+                                           causal, tiles):
+    # prepare16 against the two kernels it stands for, bit for bit: D as
+    # row_dot16 sums it, each row's shift and norm as row_statistics
+    # finds them (rows whose lse loses l among them, so its pass over the
+    # keys runs too), on poisoned outputs; and every count zeroed
+    import torch
+
+    from flashlab.gpu import build, host
+
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    q, k, do, o = (torch.tensor(rng.standard_normal(shape) * 2,
+                                dtype=dtype, device="cuda")
+                   for shape in ((heads, nq, d), (heads, nk, d),
+                                 (heads, nq, d), (heads, nq, d)))
+    lse = torch.tensor(rng.standard_normal((heads, nq)) * 4 + 5,
+                       dtype=torch.float32, device="cuda")
+    lse.view(-1)[::7] = 80.0  # lse_loses_l: found again from q and k
+    lse.view(-1)[3::11] = float("-inf")  # a row with no key: kept
+    options = dict(scale=None, causal=causal, mask=None, window=None,
+                   kv_lengths=None, dropout_p=0.0, seed=None, align=None)
+    call = host._Call(q, k, k, options)
+    pairs = [x.view(torch.int32).view(heads * nq, d // 2) for x in (do, o)]
+    bits = [x.view(torch.int16) for x in (q, k)]
+    grid = warp.dot_grid(heads * nq, d, 132, warp.PREPARE_BLOCKS_PER_SM)
+    stream = call.stream
+
+    def poisoned(shape):
+        return torch.full(shape, float("nan"), device="cuda")
+
+    delta_ref, stats_ref = poisoned((heads * nq,)), poisoned((2 * heads, nq))
+    build.kernel(f"row_dot_{kind}", 0, 0)[grid, warp.THREADS, stream](
+        *pairs, delta_ref)
+    build.kernel(f"row_statistics_{kind}", 0, 0)[
+        (-(-nq // 128), heads), 128, stream](
+        *bits, lse, stats_ref, *call.args)
+    delta, stats = poisoned((heads * nq,)), poisoned((2 * heads, nq))
+    counts = torch.full((heads, tiles), 7, dtype=torch.int32,
+                        device="cuda")
+    build.kernel(f"prepare_{kind}", 0, 0)[grid, warp.THREADS, stream](
+        *pairs, delta, *bits, lse.view(-1), stats.view(2, -1),
+        counts.view(-1), *call.args)
+    torch.cuda.synchronize()
+    assert not delta.isnan().any() and not stats.isnan().any()
+    assert torch.equal(delta, delta_ref)
+    assert torch.equal(stats, stats_ref)
+    assert not counts.any()

@@ -37,6 +37,7 @@ from flashlab.gpu.device import (
     F0,
     NEG_INF,
     inline,
+    make_row_statistics,
     row_norm,
     statistics_kernel,
     tile_full,
@@ -62,6 +63,7 @@ from flashlab.gpu.warp import (
     a_from_c,
     allowed_bits_of,
     at_step,
+    dot_rows,
     dropped_bits,
     dropped_bits_of,
     lane_bases,
@@ -167,6 +169,55 @@ def _load16(unpack):
 # as these kernels form it: the shifts and norms they take
 row_statistics_bf16 = statistics_kernel(_load16(unpack_bf16x2), False)
 row_statistics_f16 = statistics_kernel(_load16(unpack_f16x2), False)
+
+
+def _prepare16(unpack):
+    """prepare16 for one 16-bit kind (its pair-widening intrinsic)."""
+    _, saved_stats, exact_stats = make_row_statistics(_load16(unpack),
+                                                      False)
+
+    # row r of the BH Nq rows is row r % Nq of head r // Nq: its lse is
+    # lse[r], its shift and norm stats[0, r] and stats[1, r], and only
+    # its rare exact pass divides (int64 division, a routine of many
+    # instructions, had doubled the kernel's time where each row did)
+    @inline
+    def fetch(r, extra):  # the row's lse, loaded with its pieces
+        return extra[2][r]
+
+    @inline
+    def keep(r, shift, extra):
+        counts = extra[4]
+        if r < counts.size:  # one count per row, as far as they go
+            counts[r] = 0
+        return saved_stats(shift, extra[3], 0, r)
+
+    @inline
+    def exact(r, extra):
+        q, k, lse, stats, counts, rules, kv_len, mask = extra
+        nq = q.shape[1]
+        stats[0, r], stats[1, r] = exact_stats(q, k, r // nq, r % nq,
+                                               rules, kv_len, mask)
+
+    rows_of = dot_rows(unpack, fetch, keep, exact)
+
+    @cuda.jit
+    def prepare16(do, o, delta, q, k, lse, stats, counts, rules, kv_len,
+                  mask):
+        """The 16-bit backward's one preparation, as FlashAttention-3's
+        is: D = rowsum(dO o O) into delta (rows), as row_dot16 forms it,
+        and beside each row's sum the row's shift and norm into stats, as
+        row_statistics forms them, and the ordered kernel's counts zeroed
+        (any number up to the rows; none where the backward keeps none).
+        do, o: (BH Nq, d_v / 2) 16-bit pairs; q, k: (BH, Nq, d), (BH_kv,
+        Nk, d) int16 bits; lse (BH Nq); stats (2, BH Nq)."""
+        rows_of(do, o, delta,
+                (q, k, lse, stats, counts, rules, kv_len, mask))
+
+    return prepare16
+
+
+prepare_bf16 = _prepare16(unpack_bf16x2)
+prepare_f16 = _prepare16(unpack_f16x2)
 
 
 def parts(kernel, d, d_v):

@@ -347,48 +347,74 @@ def _load32(q, b, i, x):
     return q[b, i, x]
 
 
+def make_row_statistics(load=_load32, prescale=True):
+    """(row_stats, saved_stats, exact_stats) for row i of q[b], q and k
+    read through `load` (float32 values, or a 16-bit kind's element of
+    int16 bits) and S formed as the backward does: tau Q K^T (prescale,
+    float32 kernels) or tau (Q K^T) (the tensor-core kernels).
+
+    row_stats(q, k, lse, stats, b, i, rules, kv_len, mask) writes the
+    row's shift and norm into stats (2 BH, Nq). Where lse holds P exactly
+    (every row, usually: one read, two writes) they are (lse, 1), which
+    saved_stats(shift, stats, b, i) writes from the row's lse, returning
+    False (stats may be any (2 R, C) view: the norm goes R rows down);
+    where it does not (`lse_loses_l`: huge equal scores, scores near
+    -finfo.max) it writes nothing and returns True, and exact_stats(q,
+    k, b, i, rules, kv_len, mask) gives the row's own max and 1 / sum,
+    found by a pass over its scores without V, as tiled.row_statistics
+    does. See chapter 8.
+    """
+
+    @inline
+    def saved_stats(shift, stats, b, i):
+        if lse_loses_l(shift):
+            return True
+        stats[b, i] = shift
+        stats[stats.shape[0] // 2 + b, i] = F1
+        return False
+
+    @inline
+    def exact_stats(q, k, b, i, rules, kv_len, mask):
+        nq, nk, d = q.shape[1], k.shape[1], k.shape[2]
+        bk = b // rules.group  # the K/V head of query head b
+        tau = rules.scale if prescale else F1
+        m, l = NEG_INF, F0
+        for j in range(nk):
+            if allowed(b, i, j, nq, nk, rules, kv_len, mask):
+                s = F0
+                for x in range(d):  # q_i stays in L1: rare rows
+                    s += load(q, b, i, x) * tau * load(k, bk, j, x)
+                if not prescale:
+                    s *= rules.scale
+                # the row's merge, one key at a time
+                m, sh, alpha = row_step(m, s, rules.lowest)
+                l = alpha * l + float32(math.exp(s - sh))
+        return m, F1 / l  # l >= 1: the max's own term
+
+    @inline
+    def row_stats(q, k, lse, stats, b, i, rules, kv_len, mask):
+        if saved_stats(lse[b, i], stats, b, i):
+            shift, norm = exact_stats(q, k, b, i, rules, kv_len, mask)
+            stats[b, i] = shift
+            stats[lse.shape[0] + b, i] = norm
+
+    return row_stats, saved_stats, exact_stats
+
+
 def statistics_kernel(load=_load32, prescale=True):
-    """row_statistics reading q and k through `load` (float32 values, or
-    a 16-bit kind's element of int16 bits) and forming S as the backward
-    does: tau Q K^T (prescale, float32 kernels) or tau (Q K^T) (the
-    tensor-core kernels)."""
+    """row_statistics: make_row_statistics' rows, one thread each."""
+    row_stats = make_row_statistics(load, prescale)[0]
 
     @cuda.jit
     def row_statistics(q, k, lse, stats, rules, kv_len, mask):
         """stats (2 BH, Nq): shifts, then norms, with P = exp(S - shift)
-        norm for the backward kernels. One thread per row of q (BH, Nq,
-        d); lse (BH, Nq) as the forward saved it.
-
-        Where lse holds P exactly (every row, usually: one read, two
-        writes) they are (lse, 1); where it does not (`lse_loses_l`: huge
-        equal scores, scores near -finfo.max) they are the row's own max
-        and 1 / sum, found by a pass over its scores without V, as
-        tiled.row_statistics does. See chapter 8.
+        norm for the backward kernels (make_row_statistics). One thread
+        per row of q (BH, Nq, d); lse (BH, Nq) as the forward saved it.
         """
         b = cuda.blockIdx.y
         i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        bh, nq = lse.shape
-        nk, d = k.shape[1], k.shape[2]
-        if i >= nq:
-            return
-        shift, norm = lse[b, i], F1
-        if lse_loses_l(shift):
-            bk = b // rules.group  # the K/V head of query head b
-            tau = rules.scale if prescale else F1
-            m, l = NEG_INF, F0
-            for j in range(nk):
-                if allowed(b, i, j, nq, nk, rules, kv_len, mask):
-                    s = F0
-                    for x in range(d):  # q_i stays in L1: rare rows
-                        s += load(q, b, i, x) * tau * load(k, bk, j, x)
-                    if not prescale:
-                        s *= rules.scale
-                    # the row's merge, one key at a time
-                    m, sh, alpha = row_step(m, s, rules.lowest)
-                    l = alpha * l + float32(math.exp(s - sh))
-            shift, norm = m, F1 / l  # l >= 1: the max's own term
-        stats[b, i] = shift
-        stats[bh + b, i] = norm
+        if i < lse.shape[1]:
+            row_stats(q, k, lse, stats, b, i, rules, kv_len, mask)
 
     return row_statistics
 

@@ -1073,12 +1073,14 @@ class _ForwardPlan:
 
 class _BackwardPlan:
     """The 16-bit backward of one (shapes, dtype, options), prepared as
-    _ForwardPlan is: a call allocates D and the gradients (16-bit, or
-    float32 for kernels without `grads16`) and launches D = rowsum(dO o O)
-    (warp.row_dot16), the dK/dV and the dQ kernels from their packed
-    buffers; or, with a fused kernel (names[1] None), that kernel on a
-    float32 dQ, which it adds tau dS K to (zeroed first unless each
-    tile's first turn stores it, `zero_dq`), then dQ in q's dtype."""
+    _ForwardPlan is: a call launches the one preparation (prepare16: D =
+    rowsum(dO o O), the rows' statistics and the ordered kernel's counts
+    zeroed, into buffers the plan keeps for each stream), allocates the
+    gradients (16-bit, or float32 for kernels without `grads16`) and
+    launches the dK/dV and the dQ kernels from their packed buffers; or,
+    with a fused kernel (names[1] None), that kernel on a float32 dQ,
+    which it adds tau dS K to (zeroed first unless each tile's first
+    turn stores it, `zero_dq`), then dQ in q's dtype."""
 
     def __init__(self, q, k, v, o, lse, do, dtype, options, names):
         _refuse_simulator("q: the 16-bit backward (backward_v5)")
@@ -1095,7 +1097,7 @@ class _BackwardPlan:
 
         self.fused = names[1] is None
         self.ordered = self.fused and _ordered(names[0])
-        self._scratch = {}  # stream -> (D, the rows' statistics)
+        self._scratch = {}  # stream -> (D, the statistics, the counts)
         self._capturing = capture_reader()
         dkv_tr, dq_tr = (traits.traits(n or names[0], d, d_v)
                          for n in names)
@@ -1114,20 +1116,22 @@ class _BackwardPlan:
         self.views = ((bh, nq, d), (bh_k, nk, d), (bh_k, nk, d_v))
         bits = [x.view(torch.int16) for x in (q, k, v, do)]
         self.rows = (bh, nq, d_v // 2)  # dO and O as 16-bit pairs
-        self.row_dot = kernel(f"row_dot_{kind}", 0, 0).pack(
+        # the ordered kernel's counts: one per query head and tile
+        self.counts = _count_shape(dkv_tr, bh, nq) if self.ordered \
+            else (0,)
+        self.prepare = kernel(f"prepare_{kind}", 0, 0).pack(
             *(x.view(torch.int32).view(bh * nq, d_v // 2)
-              for x in (do, o)), self._delta(q).view(bh * nq))
-        self.row_grid = (math.ceil(nq / device.THREADS), bh)
-        self.dot_grid = warp.dot_grid(bh * nq, d_v, _multiprocessors())
-        self.statistics = kernel(f"row_statistics_{kind}", 0, 0).pack(
+              for x in (do, o)), self._delta(q).view(bh * nq),
             bits[0].view(bh, nq, d), bits[1].view(call.bh_kv, nk, d),
-            lse.view(bh, nq), self._stats(q), *call.args)
+            lse.view(bh * nq), self._stats(q).view(2, bh * nq),
+            self._counts().view(-1), *call.args)
+        self.dot_grid = warp.dot_grid(bh * nq, d_v, _multiprocessors(),
+                                      warp.PREPARE_BLOCKS_PER_SM)
         inputs = [bits[0].view(bh, nq, d),
                   bits[1].view(call.bh_kv, nk, d),
                   bits[2].view(call.bh_kv, nk, d_v),
                   bits[3].view(bh, nq, d_v), self._stats(q),
                   self._delta(q)]
-        self.counts = _count_shape(dkv_tr, bh, nq) if self.ordered else None
         # v9 stores each dQ tile at its first turn: zeros only where a
         # tile may have none (kv_lengths: any batch element may have 0)
         self.zero_dq = self.fused and not (
@@ -1137,8 +1141,9 @@ class _BackwardPlan:
         dq, dk, dv = (self._kernel_view(g, shape) for g, shape in zip(
             grads, self.views))
         if self.fused:  # dQ float32, as it is (and the counts, ordered)
+            counts = (self._counts(),) if self.ordered else ()
             self.dkv = kernel(names[0], d, d_v).pack(
-                *inputs, dk, dv, grads[0].view(self.views[0]), *grads[3:],
+                *inputs, dk, dv, grads[0].view(self.views[0]), *counts,
                 *call.args)
             return
         self.dkv = kernel(names[0], d, d_v).pack(*inputs, dk, dv,
@@ -1146,11 +1151,12 @@ class _BackwardPlan:
         self.dq = kernel(names[1], d, d_v).pack(*inputs, dq, *call.args)
 
     def _new_scratch(self, stream, q, fresh):
-        """D and the rows' statistics for calls on `stream`, kept for its
-        next call (whose kernels run after this call's) unless a CUDA
-        graph captures this one or outputs are poisoned."""
+        """D, the rows' statistics and the counts for calls on `stream`,
+        kept for its next call (whose kernels run after this call's, and
+        whose preparation zeroes the counts again) unless a CUDA graph
+        captures this one or outputs are poisoned."""
 
-        scratch = self._delta(q), self._stats(q)
+        scratch = self._delta(q), self._stats(q), self._counts()
         if not fresh and sum(x.nbytes for x in scratch) <= SCRATCH_BYTES:
             _keep(self._scratch, stream, scratch)
         return scratch
@@ -1175,36 +1181,34 @@ class _BackwardPlan:
         return torch.empty((2 * self.rows[0], self.rows[1]),
                            dtype=torch.float32, device=self.device)
 
+    def _counts(self):
+        """Room for the ordered kernel's int32 counts (BH, tiles), which
+        prepare16 zeroes; none where the kernel keeps none."""
+        import torch
+
+        return torch.empty(self.counts, dtype=torch.int32,
+                           device=self.device)
+
     def _grads(self, q):
         """Fresh dq, dk, dv as the kernels write them (`grads16`); dq
         float32 for the fused kernel, which adds to it (zeros unless each
-        tile's first turn stores it, `zero_dq`), and after them the
-        ordered kernel's int32 counts, zeros from the same allocation."""
+        tile's first turn stores it, `zero_dq`)."""
         import torch
 
-        # the fused kernel's dQ is an accumulator: where it starts as
-        # zeros it is never poisoned
-        grads, counts = [], []
-        if self.ordered:  # one allocation and fill for dQ and the counts
-            size = math.prod(self.shapes[0])
+        grads = []
+        if self.fused:
             new = torch.zeros if self.zero_dq else torch.empty
-            both = new(size + math.prod(self.counts), dtype=torch.float32,
-                       device=self.device)
-            grads = [both[:size].view(self.shapes[0])]
-            counts = [both[size:].view(torch.int32).view(self.counts)]
-            if not self.zero_dq:  # stored, so it may be poisoned
-                counts[0].zero_()
-                if _poisoned():
-                    grads[0].fill_(float("nan"))
-        elif self.fused:
-            grads = [torch.zeros(self.shapes[0], dtype=torch.float32,
-                                 device=self.device)]
+            grads = [new(self.shapes[0], dtype=torch.float32,
+                         device=self.device)]
+            # an accumulator that starts as zeros is never poisoned
+            if not self.zero_dq and _poisoned():
+                grads[0].fill_(float("nan"))
         empty = [torch.empty(s, dtype=self.grad_dtype, device=self.device)
                  for s in self.shapes[len(grads):]]
         if _poisoned():
             for g in empty:
                 g.fill_(float("nan"))
-        return grads + empty + counts
+        return grads + empty
 
     def run(self, q, k, v, o, lse, do, seed):
         """(dq, dk, dv) of one call; None where one of the six is
@@ -1222,16 +1226,14 @@ class _BackwardPlan:
         scratch = None if fresh else self._scratch.get(stream)
         if scratch is None:
             scratch = self._new_scratch(stream, q, fresh)
-        delta, stats = scratch
-        # D and the statistics first: the GPU works on them while the
-        # host allocates the gradients
-        for arg, x in enumerate((do, o, delta)):
-            self.row_dot.point(arg, x.data_ptr())
-        self.row_dot.launch(self.dot_grid, warp.THREADS, stream)
-        for arg, x in enumerate((q, k, lse, stats)):
-            self.statistics.point(arg, x.data_ptr())
-        self.statistics.launch(self.row_grid, device.THREADS, stream)
-        dq, dk, dv, *counts = self._grads(q)
+        delta, stats, counts = scratch
+        # the preparation first: the GPU works on it while the host
+        # allocates the gradients
+        for arg, x in enumerate((do, o, delta, q, k, lse, stats, counts)):
+            self.prepare.point(arg, x.data_ptr())
+        self.prepare.launch(self.dot_grid, warp.THREADS, stream)
+        dq, dk, dv = self._grads(q)
+        counts = (counts,) if self.ordered else ()
         inputs = (q, k, v, do, stats, delta)
         launches = (((self.dkv, (dk, dv, dq, *counts)),) if self.fused else
                     ((self.dkv, (dk, dv)), (self.dq, (dq,))))

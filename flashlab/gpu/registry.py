@@ -224,6 +224,13 @@ KERNELS = (
              "row_dot16", (dtype,), max_registers=warp.DOT_REGISTERS,
              **dict(_HELPER, threads=warp.THREADS))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
+    # the 16-bit backward's one preparation: row_dot16's D, and beside
+    # each row's sum its statistics and the ordered kernel's counts
+    *(Kernel(f"prepare_{kind}", _fixed(getattr(backward_v5,
+                                                f"prepare_{kind}")),
+             "prepare16", (dtype,), max_registers=warp.PREPARE_REGISTERS,
+             **dict(_HELPER, threads=warp.THREADS))
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     Kernel("finish_rows", _fixed(device.finish_rows), "finish", _F32,
            **_HELPER),
     # the backward's row statistics (shift, norm of P; exact where lse
@@ -393,5 +400,9 @@ def argument_types(args):
         "finish": (a3, a2, b2, b2),
         "row_statistics": (a3, a3, a2, a2, *common),
         "row_statistics16": (h3, h3, a2, a2, *common),
+        # row_dot16's, then q, k, and lse, the statistics and the counts
+        # by row (BH Nq), (2, BH Nq), (any)
+        "prepare16": (int32[:, ::1], int32[:, ::1], float32[::1], h3, h3,
+                      float32[::1], a2, int32[::1], *common),
     }
     return lists[args]

@@ -79,7 +79,8 @@ RETURNS = {"forward": ("o", "lse"), "forward_bad": ("o", "lse"),
            "row_dot16": ("delta",), "find_bad": ("bad",),
            "find_parts": ("parts",),
            "finish": ("o", "lse"), "row_statistics": ("stats",),
-           "row_statistics16": ("stats",)}
+           "row_statistics16": ("stats",),
+           "prepare16": ("delta", "stats", "counts")}
 F32, B16 = 4, 2  # bytes of a float32 and of a 16-bit value
 # what one SM of compute capability 9.0 holds: shared memory (bytes, 1 KB
 # of it kept by the hardware per block), 32-bit registers, threads

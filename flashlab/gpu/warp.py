@@ -510,27 +510,51 @@ def plain_softmax(sf, m, l, al, seen, tiles, rules, poly):
 
 DOT_UNROLL = fragments.ROW_DOT_UNROLL  # rows a lane loads before summing
 # row_dot16's blocks an SM holds at once, at DOT_REGISTERS a thread: its
-# 68 registers uncapped let 7 in, 64 let in 8 without a spill (48 spill)
+# 61 registers uncapped; capped at 64, 8 blocks fit without a spill
 DOT_BLOCKS_PER_SM = 8
 DOT_REGISTERS = 65536 // (DOT_BLOCKS_PER_SM * THREADS)
+# prepare16's (backward_v5), which holds each row's lse and the arrays of
+# its other work too: at 64 registers ptxas spills 16 bytes, at 72 none
+PREPARE_BLOCKS_PER_SM = 7
+PREPARE_REGISTERS = 65536 // (PREPARE_BLOCKS_PER_SM * THREADS) // 8 * 8
 
 
-def dot_grid(rows, d_v, multiprocessors):
+def dot_grid(rows, d_v, multiprocessors, blocks_per_sm=DOT_BLOCKS_PER_SM):
     """row_dot16's grid for `rows` rows of d_v values (one dimension):
     enough blocks of THREADS for every row, at most as many as the GPU's
-    `multiprocessors` hold at once (DOT_BLOCKS_PER_SM each), which then
-    take turns over the rows: a second wave of blocks would leave most
-    of the GPU idle while its last blocks run."""
+    `multiprocessors` hold at once (`blocks_per_sm` each: prepare16's is
+    PREPARE_BLOCKS_PER_SM), which then take turns over the rows: a second
+    wave of blocks would leave most of the GPU idle while its last blocks
+    run."""
     rows_a_block = THREADS // fragments.row_dot_lanes(d_v) * DOT_UNROLL
-    most = DOT_BLOCKS_PER_SM * multiprocessors
+    most = blocks_per_sm * multiprocessors
     return (max(1, min(most, math.ceil(rows / rows_a_block))),)
 
 
-_dot_place = inline(fragments.row_dot_place)  # row_dot16's own
+# row_dot16's own: a lane's row and piece once, then a base a turn
+_dot_lane = inline(fragments.row_dot_lane)
+_dot_base = inline(fragments.row_dot_base)
 
 
-def _row_dot16(unpack):
-    """row_dot16 for one 16-bit kind (its pair-widening intrinsic)."""
+def dot_rows(unpack, fetch=None, keep=None, exact=None):
+    """rows(do, o, delta, extra): delta[r] = rowsum(dO_r o O_r) in float32
+    from 16-bit pairs (rows, d_v / 2), for each row; `unpack` is the
+    kind's pair-widening intrinsic. The lanes of a row
+    (fragments.row_dot_lanes) each take 16 bytes with ld.global.nc.v4, so
+    a warp's load is 512 contiguous bytes (four-byte loads ran at half
+    the copy speed); DOT_UNROLL rows' loads are in flight before the
+    first sum, and a row's lanes meet by shuffles. The warps take turns
+    over the rows until none is left (fragments.row_dot_place).
+
+    Work of a row's own beside its sum, by the lane that stores it:
+    fetch(r, extra), a float32 loaded with the row's pieces; keep(r,
+    value, extra) once the sum is stored, true where exact(r, extra) must
+    follow, which runs after the turn's sums. (Done in the loop of sums,
+    a load waited there, and larger work kept the loop from unrolling:
+    the loaded pieces went to local memory.)"""
+    fetch = fetch or _fetch_none
+    keep = keep or _keep_none
+    exact = exact or _exact_none
 
     @inline
     def pair_dot(a, c):
@@ -538,16 +562,8 @@ def _row_dot16(unpack):
         c0, c1 = unpack(c)
         return a0 * c0 + a1 * c1
 
-    @cuda.jit
-    def row_dot16(do, o, delta):
-        """delta[r] = rowsum(dO_r o O_r) in float32 from 16-bit pairs
-        (rows, d_v / 2), the backward's one preparation (D). The lanes
-        of a row (fragments.row_dot_lanes) each take 16 bytes with
-        ld.global.nc.v4, so a warp's load is 512 contiguous bytes
-        (four-byte loads ran at half the copy speed); DOT_UNROLL rows'
-        loads are in flight before the first sum, and a row's lanes meet
-        by shuffles. The warps take turns over the rows until none is
-        left (fragments.row_dot_place)."""
+    @inline
+    def rows_of(do, o, delta, extra):
         rows, words = do.shape
         quads = words // 4  # a row's 16-byte pieces
         lanes = 1
@@ -559,11 +575,18 @@ def _row_dot16(unpack):
         warps = cuda.gridDim.x * cuda.blockDim.x // 32
         a = cuda.local.array((DOT_UNROLL, 4), int32)  # dO's words
         c = cuda.local.array((DOT_UNROLL, 4), int32)  # O's words
+        got = cuda.local.array(DOT_UNROLL, float32)  # fetch's values
+        # fragments.row_dot_place in parts: the lane's row of a load and
+        # piece once (divisions by `lanes`, a power of two the compiler
+        # cannot see, had been in every load's place)
+        own, x = _dot_lane(lane, lanes)
+        per_load = 32 // lanes
         turn = 0
+        base = _dot_base(warp, turn, lanes, warps)
         # the same test for every lane of the warp: its first row
-        while _dot_place(warp, turn, 0, 0, lanes, warps)[0] < rows:
+        while base < rows:
             for u in range(DOT_UNROLL):
-                r, x = _dot_place(warp, turn, u, lane, lanes, warps)
+                r = base + u * per_load + own
                 if r < rows and x < quads:
                     a[u, 0], a[u, 1], a[u, 2], a[u, 3] = ld_global_nc_v4(
                         do, (r, 4 * x))
@@ -572,6 +595,10 @@ def _row_dot16(unpack):
                 else:  # no piece of a row: adds 0 to the shuffles
                     for e in range(4):
                         a[u, e], c[u, e] = 0, 0
+                got[u] = F0
+                if x == 0 and r < rows:
+                    got[u] = fetch(r, extra)
+            more = 0  # bit u: row u's exact work
             for u in range(DOT_UNROLL):
                 total = F0
                 for e in range(4):
@@ -580,10 +607,45 @@ def _row_dot16(unpack):
                 while width > 0:  # every lane: a full-mask shuffle
                     total += cuda.shfl_xor_sync(FULL_MASK, total, width)
                     width //= 2
-                r, x = _dot_place(warp, turn, u, lane, lanes, warps)
+                r = base + u * per_load + own
                 if x == 0 and r < rows:
                     delta[r] = total
+                    if keep(r, got[u], extra):
+                        more |= 1 << u
+            if more:
+                for u in range(DOT_UNROLL):
+                    if (more >> u) & 1:
+                        exact(base + u * per_load + own, extra)
             turn += 1
+            base = _dot_base(warp, turn, lanes, warps)
+
+    return rows_of
+
+
+@inline
+def _fetch_none(r, extra):
+    return F0
+
+
+@inline
+def _keep_none(r, value, extra):
+    return False
+
+
+@inline
+def _exact_none(r, extra):
+    pass
+
+
+def _row_dot16(unpack):
+    """row_dot16 for one 16-bit kind (its pair-widening intrinsic)."""
+    rows_of = dot_rows(unpack)
+
+    @cuda.jit
+    def row_dot16(do, o, delta):
+        """delta[r] = rowsum(dO_r o O_r) in float32 from 16-bit pairs
+        (rows, d_v / 2), the backward's D (`dot_rows`)."""
+        rows_of(do, o, delta, ())
 
     return row_dot16
 
