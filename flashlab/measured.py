@@ -21,6 +21,7 @@ running backward v9 or v8, as its command says; hopper_prepare_h200 the
 backward's preparation kernels alone and in a step, and
 hopper_block_times_h200 forward v8's per-block clock stamps from a build
 that writes them, as their notes say; training_h200 with `--training`;
+reads_h200 with `--reads`;
 cpu_masks with
 `--cpu-masks`), the registers
 and local memory per kernel with `python -m flashlab.ptx --resources`, the
@@ -54,6 +55,7 @@ FILES = ("bench_cpu.csv", "bench_cpu.txt", "bench_h200.csv",
          "hopper_forward_kernels_h200.json", "hopper_turns_h200.json",
          "hopper_v9_default_h200.json", "hopper_prepare_h200.json",
          "hopper_block_times_h200.json", "training_h200.csv",
+         "reads_h200.json",
          "cpu_ladder.json",
          "cpu_ladder_avx2.json", "bench_cpu_dropin.csv",
          "bench_cpu_dropin.txt", "bench_cpu_dropin_avx2.csv",

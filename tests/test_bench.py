@@ -21,6 +21,7 @@ from flashlab.bench import (
     forward_rounds,
     gpt,
     host,
+    reads,
     report,
     step_gaps,
     timing,
@@ -351,7 +352,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
         assert f.read().strip() == ",".join(report.FIELDS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for flag in ("--host", "--training", "--gpt", "--step-gaps",
-                 "--forward-rounds", "--forward-kernels"):
+                 "--forward-rounds", "--forward-kernels", "--reads"):
         with pytest.raises(SystemExit):
             bench.main([flag, "--out", str(tmp_path)])
         assert "no CUDA device" in capsys.readouterr().err
@@ -362,7 +363,7 @@ def test_command_line_without_a_gpu(tmp_path, monkeypatch, capsys):
                  "--backward-only", "--decode", "--ring", "--ceilings",
                  "--versions", "--host", "--training", "--gpt", "--hopper",
                  "--fp8-only", "--step-gaps", "--forward-rounds",
-                 "--forward-kernels"):
+                 "--forward-kernels", "--reads"):
         assert flag in out
     with pytest.raises(SystemExit):
         bench.main(["--fp8-only", "--out", str(tmp_path)])
@@ -524,3 +525,26 @@ def test_forward_kernels_rows_sum_each_impls_kernels():
     assert set(forward_kernels.SHAPES) >= {
         (16, 12, 1024, 64, True), (8, 16, 2048, 128, True),
         (8, 16, 2048, 128, False)}
+
+
+def test_reads_rates_against_torchs_read_in_the_same_state():
+    # 134 MB of dO and O at B8 H16 N2048 d128 (bf16), 67 MB of V
+    assert reads.reads_mb("prepare16", 8, 16, 2048, 128) == \
+        pytest.approx(134.217728)
+    assert reads.reads_mb("find_bad_parts", 8, 16, 2048, 128) == \
+        pytest.approx(67.108864)
+    times = {("torch sum of V", True): 26.0, ("row_dot16", True): 52.0,
+             ("torch sum of V", False): 20.0, ("find_bad_parts", False): 40.0}
+    got = {(r["kernel"], r["cold"]): r for r in
+           reads.rows((8, 16, 2048, 128), times)}
+    torch_cold = got[("torch sum of V", True)]
+    assert torch_cold["x_torch_read"] == 1.0
+    assert torch_cold["tb_s"] == pytest.approx(67.108864 / 26, abs=0.01)
+    # twice the bytes in twice the time: torch's rate
+    assert got[("row_dot16", True)]["x_torch_read"] == 1.0
+    # the same bytes in twice the time: half of it
+    assert got[("find_bad_parts", False)]["x_torch_read"] == 0.5
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        reads.reads_mb("row_dot", 1, 1, 1, 8)
+    with pytest.raises(ValueError, match="positive"):
+        reads.rows((1, 1, 8, 8), {("torch sum of V", True): 0.0})

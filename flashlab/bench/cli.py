@@ -12,6 +12,7 @@ from flashlab.bench import (
     gpt,
     hopper,
     host,
+    reads,
     report,
     ring,
     scalar,
@@ -81,6 +82,10 @@ def main(argv=None):
                     help="the bf16 forward's kernel times at the training "
                          "shapes against SDPA's cuDNN, from the profiler "
                          "(forward_kernels.json)")
+    ap.add_argument("--reads", action="store_true",
+                    help="the kernels that only read (the backward's D, "
+                         "V's flags) against torch's read of the same "
+                         "data (reads.json)")
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
@@ -128,6 +133,9 @@ def main(argv=None):
     if args.forward_kernels:
         _need_cuda(ap)
         return forward_kernels.main(args.out, report.machine())
+    if args.reads:
+        _need_cuda(ap)
+        return reads.main(args.out, report.machine())
     if args.decode:
         return measure(decode.suite(), args.out)
     if args.host or args.training or args.gpt:
