@@ -155,3 +155,99 @@ def _together(tiles, heads, sms, overhead):
     best = min(ends)
     return next(g for g, end in zip(choices, ends)
                 if end <= best * (1 + SLACK))
+
+
+def block_parts(nq, br, part=64):
+    """(ranks,) int: the parts (consumer warpgroups of `part` query rows)
+    that have rows in each query block of br rows, in rank order (rank 0,
+    the last block, first). 16384 rows in 192-row blocks: 85 blocks of
+    three parts and, at rank 0, one of one."""
+    if nq < 1 or br < 1 or part < 1 or br % part:
+        raise ValueError(f"nq, br, part: expected positive, br a multiple "
+                         f"of part, got {nq}, {br}, {part}")
+    rows = [min(i0 + br, nq) - i0 for i0 in range(0, nq, br)]
+    return np.array([-(-r // part) for r in rows[::-1]], dtype=np.int64)
+
+
+def wave_fill(nq, heads, br, cost, sms, part=64):
+    """(finish, share): the modeled end of a launch whose blocks all visit
+    the same tiles (attention without a mask), `heads` heads of nq rows
+    in blocks of br rows started head by head, rank by rank; a block
+    with p parts takes cost[p] (a whole block's 1.0). share is the even
+    share, sum / sms: share / finish is how full the waves are."""
+    parts = block_parts(nq, br, part)
+    if any(p not in cost for p in set(parts.tolist())):
+        raise ValueError(f"cost: expected a time for blocks of "
+                         f"{sorted(set(parts.tolist()))} parts, got "
+                         f"{sorted(cost)}")
+    one = [float(cost[p]) for p in parts]
+    work = np.tile(one, heads)
+    return float(finish(work, sms)), float(np.sum(work) / sms)
+
+
+# split tails: a launch's last ranks dealt as two halves of their keys
+SPLITS = 2  # key halves of a tail block
+
+
+def split_grid(ranks, heads, tail):
+    """The launch grid (1, ranks, z) of a launch whose `tail` last ranks
+    of every head (ranks 0 .. tail - 1, the last query blocks) run as
+    SPLITS pieces each, one a block: the whole blocks of every head
+    first, then the pieces (`split_place`)."""
+    blocks = heads * (ranks - tail) + heads * tail * SPLITS
+    return 1, ranks, -(-blocks // ranks)
+
+
+def split_place(x, y, z, together, ranks, tail, heads):
+    """(b, rank, split) of block (x, y, z): with tail 0, `place`'s (b,
+    rank) of an order.grid and split -1 (the block's every key); else of
+    a split_grid, linear index y + ranks z: head b's whole blocks, ranks
+    tail .. ranks - 1, for each head in turn, then its pieces, rank by
+    rank, split 0 and 1 (the first and second half of the block's key
+    tiles). b may pass the last head: such a block has nothing to do."""
+    if tail == 0:  # place's map (written out: the kernels compile it)
+        return z * together + x, y, -1
+    n = y + ranks * z
+    whole = ranks - tail
+    if n < heads * whole:
+        return n // whole, tail + n % whole, -1
+    n -= heads * whole
+    return n // (tail * SPLITS), n // SPLITS % tail, n % SPLITS
+
+
+def split_tiles(first, last, split):
+    """The key tiles of one piece of tiles first .. last: split 0 the
+    first half (the smaller, where they are odd), split 1 the rest, and
+    split -1 all of them."""
+    if split < 0:
+        return first, last
+    mid = first + (last - first + 1) // SPLITS
+    return (first, mid - 1) if split == 0 else (mid, last)
+
+
+def split_works(nq, heads, br, cost, tail, piece):
+    """The works of a split_grid's blocks in starting order: each head's
+    whole blocks (cost by their parts, `block_parts`), then every head's
+    tail ranks as SPLITS pieces of cost[parts] / SPLITS + piece (a
+    block's own work besides its tiles, as a share of a whole block)."""
+    parts = block_parts(nq, br)
+    one = [float(cost[p]) for p in parts]
+    whole = np.tile(one[tail:], heads)
+    halves = np.repeat([c / SPLITS + piece for c in one[:tail]], SPLITS)
+    return np.concatenate([whole, np.tile(halves, heads)])
+
+
+def split_tail(nq, heads, br, cost, sms, piece, gain=0.02):
+    """(tail, modeled time over the unsplit one's): the tail ranks whose
+    splitting ends the launch soonest in the model (`finish` over
+    `split_works`), 0 where none gains more than `gain`."""
+    ranks = len(block_parts(nq, br))
+    now = finish(split_works(nq, heads, br, cost, 0, piece), sms)
+    best, end = 0, now
+    for tail in range(1, ranks):
+        t = finish(split_works(nq, heads, br, cost, tail, piece), sms)
+        if t < end - 1e-9:
+            best, end = tail, t
+    if end > now * (1 - gain):
+        return 0, 1.0
+    return best, end / now

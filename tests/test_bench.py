@@ -26,6 +26,7 @@ from flashlab.bench import (
     step_gaps,
     timing,
     training,
+    waves,
 )
 from flashlab.bench.runner import Case, Suite, run
 
@@ -548,3 +549,19 @@ def test_reads_rates_against_torchs_read_in_the_same_state():
         reads.reads_mb("row_dot", 1, 1, 1, 8)
     with pytest.raises(ValueError, match="positive"):
         reads.rows((1, 1, 8, 8), {("torch sum of V", True): 0.0})
+
+
+def test_waves_costs_and_modeled_fill():
+    # a block's cost over a whole block's; B2 H8 at 16K, d = 64: 1376
+    # blocks, 10.4 waves of work ending at 11
+    assert waves.costs({1: 150.0, 2: 210.0, 3: 240.0}) == {
+        1: 0.625, 2: 0.875, 3: 1.0}
+    for bad in ({1: 1.0}, {1: 0.0, 3: 2.0}):
+        with pytest.raises(ValueError, match="us"):
+            waves.costs(bad)
+    row = dict(B=1, H=16, N=16384, d=64, causal=False, x_cudnn=0.96)
+    got = waves.modeled(row, {1: 0.625, 3: 1.0}, 132)
+    assert got["blocks"] == 1376 and got["modeled_end"] == 11.0
+    assert got["waves"] == round(16 * 85.625 / 132, 2)
+    assert got["modeled_fill"] == round(16 * 85.625 / 132 / 11, 3)
+    assert got["x_cudnn"] == 0.96

@@ -3,6 +3,7 @@
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -178,3 +179,29 @@ def test_warpgroup_visits_at_1k():
     index = masks.rules(True, None, None, None, (), 1024, 1024).index()
     assert order.warpgroup_visits(1024, 1024, 192, 128, index) == {
         "block": (96, 33), "warpgroup": (72, 16)}
+
+
+def test_block_parts_count_the_warpgroups_with_rows():
+    # 16K rows in 192-row blocks: the last block (rank 0) has 64 rows
+    assert order.block_parts(16384, 192).tolist() == [1] + [3] * 85
+    assert order.block_parts(200, 128).tolist() == [2, 2]  # 72 rows: 2
+    assert order.block_parts(1, 192).tolist() == [1]
+    for bad in ((0, 192), (64, 100), (64, -64)):
+        with pytest.raises(ValueError, match="br"):
+            order.block_parts(*bad)
+
+
+def test_wave_fill_at_16k():
+    # B2 H8 at 16K, d = 64: 1376 blocks on 132 SMs, 10.4 waves of work
+    # that end at 11 whole blocks; 23 heads fill 15 waves (chapter 12)
+    cost = {1: 0.6, 3: 1.0}
+    end, share = order.wave_fill(16384, 16, 192, cost, 132)
+    assert end == 11.0
+    assert share == pytest.approx(16 * (85 + 0.6) / 132)
+    end, share = order.wave_fill(16384, 23, 192, cost, 132)
+    assert end == 15.0 and share / end > 0.99
+    # by hand: two SMs, blocks 0.5, 1, 1 of one head, then again
+    end, share = order.wave_fill(300, 2, 128, {1: 0.5, 2: 1.0}, 2)
+    assert (end, share) == (2.5, 2.5)
+    with pytest.raises(ValueError, match="cost"):
+        order.wave_fill(300, 2, 128, {2: 1.0}, 2)

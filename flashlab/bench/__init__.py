@@ -5,7 +5,7 @@
     python -m flashlab.bench --ring | --ceilings
     python -m flashlab.bench [--host] [--training] [--gpt] [--quick]
     python -m flashlab.bench --step-gaps | --forward-rounds
-    python -m flashlab.bench --forward-kernels | --reads
+    python -m flashlab.bench --forward-kernels | --reads | --waves
 
 Each benchmark is a suite, one module each, written as data: its cases
 (shape, pass, the implementations timed and the torch baseline every
@@ -25,7 +25,8 @@ alternating rounds (forward_rounds.json), and `forward_kernels` sums
 its kernels' device time at the training shapes against cuDNN's
 (forward_kernels.json); `reads` times the kernels that only read (the
 backward's D, V's flags) against torch's own read of the same data
-(reads.json).
+(reads.json); `waves` times the forward at 16K against the number of
+heads, with a model of how full its waves are (waves.json).
 Times are medians after warm-up; FLOPs are 4 B H N^2 d for the forward
 and 10 B H N^2 d for the backward, halved when causal. Every run prints
 its table with the ratios to torch. Timings are never asserted anywhere:

@@ -19,6 +19,7 @@ from flashlab.bench import (
     step_gaps,
     tensor,
     training,
+    waves,
 )
 from flashlab.bench.runner import run
 
@@ -86,6 +87,10 @@ def main(argv=None):
                     help="the kernels that only read (the backward's D, "
                          "V's flags) against torch's read of the same "
                          "data (reads.json)")
+    ap.add_argument("--waves", action="store_true",
+                    help="the bf16 forward at 16K, d = 64, against the "
+                         "heads, with a block's cost by its warpgroups "
+                         "and the modeled fill of its waves (waves.json)")
     ap.add_argument("--gpt", action="store_true",
                     help="one training step of a 4-block GPT, SDPA "
                          "against flashlab, losses compared (gpt.csv)")
@@ -136,6 +141,9 @@ def main(argv=None):
     if args.reads:
         _need_cuda(ap)
         return reads.main(args.out, report.machine())
+    if args.waves:
+        _need_cuda(ap)
+        return waves.main(args.out, report.machine())
     if args.decode:
         return measure(decode.suite(), args.out)
     if args.host or args.training or args.gpt:
