@@ -31,6 +31,12 @@ class KernelRules(NamedTuple):
     drop_scale: np.floating  # 1 / (1 - dropout_p)
     lowest: np.floating  # most negative finite value of the dtype
     group: int  # query heads per K/V head: K/V head of b is b // group
+    # forward v8 only (flashlab.gpu.host's split tail): query blocks
+    # before the launch's first, whose rows go out from block_shift Br
+    # on; and key_half: each block runs one half of its key tiles, the
+    # half blockIdx.x says, and writes 2 BH heads (blockIdx.x BH + b)
+    block_shift: int = 0
+    key_half: bool = False
 
 
 class AddedScores(NamedTuple):

@@ -184,3 +184,38 @@ def wave_fill(nq, heads, br, cost, sms, part=64):
     work = np.tile(one, heads)
     return float(finish(work, sms)), float(np.sum(work) / sms)
 
+
+def key_half_tiles(first, last, half):
+    """Half 0 or 1 of key tiles first .. last: the first half (the
+    smaller, where they are odd) or the rest."""
+    mid = first + (last - first + 1) // 2
+    return (first, mid - 1) if half == 0 else (mid, last)
+
+
+def split_works(nq, heads, br, cost, tail, piece):
+    """The works of a launch whose `tail` last ranks of every head run as
+    two halves of their keys, started after the whole blocks: each
+    head's whole blocks (cost by their parts, `block_parts`), then every
+    head's tail ranks as two pieces of cost[parts] / 2 + piece (a
+    block's own work besides its tiles, as a share of a whole block).
+    tail 0: the blocks of a launch without a split tail."""
+    one = [float(cost[p]) for p in block_parts(nq, br)]
+    whole = np.tile(one[tail:], heads)
+    halves = np.repeat([c / 2 + piece for c in one[:tail]], 2)
+    return np.concatenate([whole, np.tile(halves, heads)])
+
+
+def split_tail(nq, heads, br, cost, sms, piece, gain=0.02):
+    """(tail, modeled time over the time without): the tail ranks whose
+    splitting ends the blocks soonest in the model (`finish` over
+    `split_works`), 0 where none gains more than `gain`."""
+    ranks = len(block_parts(nq, br))
+    now = finish(split_works(nq, heads, br, cost, 0, piece), sms)
+    best, end = 0, now
+    for tail in range(1, ranks):
+        t = finish(split_works(nq, heads, br, cost, tail, piece), sms)
+        if t < end - 1e-9:
+            best, end = tail, t
+    if end > now * (1 - gain):
+        return 0, 1.0
+    return best, float(end / now)

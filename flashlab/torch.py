@@ -258,6 +258,17 @@ CACHED = 4096  # entries each; a new seed a call (dropout) must not grow
 # them without end
 
 
+def forget_plans():
+    """Drop every plan kept here and in flashlab.gpu.host, so that the
+    next calls make theirs again (after a setting the plans read, such
+    as host.SPLIT_TAIL, has changed)."""
+    from flashlab import gpu  # numba, on first use only
+
+    _plans.clear()
+    _backward_plans.clear()
+    gpu.host._plans.clear()
+
+
 def _remember(cache, key, value, limit=None):
     """cache[key] = value, emptying a cache that holds `limit` (CACHED
     unless given) first."""

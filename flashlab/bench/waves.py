@@ -10,8 +10,10 @@ blocks on 132 SMs, 10.4 waves. Then what a block costs by the
 warpgroups that have rows (`parts`): 264 query heads of 64, 128 or 192
 rows on 4 K/V heads (so K and V stay in L2), two waves; a block
 of all three parts is 1.0. With those costs `flashlab.order.wave_fill`
-models each launch's fill, printed beside it. Writes waves.json; see
-chapter 12, "Waves".
+models each launch's fill, printed beside it. Then the same launches
+with the split tail that flashlab.gpu.host's model chooses (the last
+ranks of each head as halves of their keys, started as the whole
+blocks end). Writes waves.json; see chapter 12, "Waves".
 """
 
 import json
@@ -79,25 +81,61 @@ def part_us(d=64, rounds=5, calls=10):
     return out
 
 
+def plain_rules():
+    """The kernels' rules of a bf16 call at d = 64 without a mask,
+    causal, window or dropout (what host.split_tail reads)."""
+    import numpy as np
+
+    from flashlab.kernel_args import KernelRules
+
+    return KernelRules(np.float32(0.125), False, 0, -1, -1, False,
+                       np.uint64(0), np.uint64(0), False, np.float32(1),
+                       np.float32(-3.3895314e38), 1)
+
+
+def rounds(tail):
+    """forward_rounds' rows at HEADS with host.SPLIT_TAIL = tail (0: no
+    split tail; None: the model's), plans made afresh."""
+    from flashlab import torch as fl_torch
+    from flashlab.bench import forward_rounds
+    from flashlab.gpu import host
+
+    before = host.SPLIT_TAIL
+    host.SPLIT_TAIL = tail
+    fl_torch.forget_plans()
+    try:
+        return forward_rounds.measure(tuple((1, h, N, 64, False)
+                                            for h in HEADS), rounds=5)
+    finally:
+        host.SPLIT_TAIL = before
+        fl_torch.forget_plans()
+
+
 def main(out, machine):
-    """Measure, write waves.json under `out`, return its record."""
+    """Measure, write waves.json under `out`, return its record: rows
+    without a split tail, and `split_rows` with the model's (the tail
+    it chose in each)."""
     import torch
 
-    from flashlab.bench import forward_rounds
+    from flashlab.gpu import host
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     us = part_us()
     cost = costs(us)
     print(f"a block's µs by its parts {us}: cost {cost}", flush=True)
-    rows = forward_rounds.measure(tuple((1, h, N, 64, False)
-                                        for h in HEADS), rounds=5)
-    rows = [modeled(r, cost, sms) for r in rows]
+    rows = [modeled(r, cost, sms) for r in rounds(0)]
     for r in rows:
         print(f"H{r['H']}: {r['blocks']} blocks, {r['waves']} waves of "
               f"work, modeled fill {r['modeled_fill']:.3f}; x cuDNN "
               f"{r['x_cudnn']:.3f}", flush=True)
+    split = rounds(None)
+    for r in split:
+        r["tail"] = host.split_tail("forward_v8_bf16", 192, N,
+                                    r["B"] * r["H"], plain_rules(), sms)
+        print(f"H{r['H']} split tail {r['tail']}: x cuDNN "
+              f"{r['x_cudnn']:.3f}", flush=True)
     record = dict(machine=machine, sms=sms, part_us=us, cost=cost,
-                  rows=rows)
+                  rows=rows, split_rows=split)
     with open(os.path.join(out, "waves.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     return record

@@ -14,7 +14,13 @@ import numpy as np
 from numba import config, cuda, float32, int32, uint32, uint64
 
 from flashlab import dropout, masks, merge, nonfinite
-from flashlab.gpu.intrinsics import ld_global_nc_v4
+from flashlab.gpu.intrinsics import (
+    ld_global_nc_v4,
+    pack_bf16x2,
+    pack_f16x2,
+    unpack_bf16x2,
+    unpack_f16x2,
+)
 
 THREADS = 128  # threads per block of v1, v3, v4 and the blocked backward
 F0 = np.float32(0)
@@ -291,6 +297,51 @@ def combine_splits(o_parts, m_parts, l_parts, o, m_out, l_out, lowest):
             l_out[b, i] = l
         else:
             m_out[b, i] = m + math.log(l) if l != F0 else NEG_INF
+
+
+def make_merge_halves(kind):
+    """The kernel that merges the two halves of a split tail's keys
+    (forward v8's pieces, flashlab.gpu.host) for 16-bit `kind` ("bf16"
+    or "f16"): halves (2 BH, R, d_v / 2) 16-bit pairs and their lse
+    (2 BH, R), each half's rows normalized by its own sum, into rows
+    row0 .. row0 + R - 1 of o (BH, Nq, d_v / 2) pairs and lse (BH, Nq).
+
+    Each half is the summary (lse_s, 1, out_s), folded as
+    `combine_splits` folds splits (`merge.row_step`): one thread per
+    pair of a row, blocks (ceil(R d_v / 2 / THREADS), BH)."""
+    pack, unpack = {"bf16": (pack_bf16x2, unpack_bf16x2),
+                    "f16": (pack_f16x2, unpack_f16x2)}[kind]
+
+    @cuda.jit
+    def merge_halves(halves, lse_halves, o, lse, row0, lowest):
+        b = cuda.blockIdx.y
+        e = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        bh, nq, pairs = o.shape
+        rows = halves.shape[1]
+        i, c = e // pairs, e % pairs
+        if i >= rows or row0 + i >= nq:
+            return
+        m, l, u0, u1 = NEG_INF, F0, F0, F0
+        for s in range(2):
+            m_s = lse_halves[s * bh + b, i]
+            m, shift, alpha = row_step(m, m_s, lowest)
+            w = math.exp(m_s - shift)  # the half's weight, its l_s 1
+            x0, x1 = unpack(halves[s * bh + b, i, c])
+            l = alpha * l + w
+            u0 = alpha * u0 + w * x0
+            u1 = alpha * u1 + w * x1
+        if l != F0:
+            o[b, row0 + i, c] = pack(u0 / l, u1 / l)
+        else:  # no key in either half: 0, as the kernel writes it
+            o[b, row0 + i, c] = pack(F0, F0)
+        if c == 0:
+            lse[b, row0 + i] = m + math.log(l) if l != F0 else NEG_INF
+
+    return merge_halves
+
+
+merge_halves_bf16 = make_merge_halves("bf16")
+merge_halves_f16 = make_merge_halves("f16")
 
 
 @cuda.jit

@@ -21,6 +21,14 @@ on each tile's path from one product to the next. Each warpgroup stops
 at the last tile its own 64 rows reach (`masks.last_tile`) and hands
 the block's later ones back unread (chapter 12).
 
+Where a launch's last wave would run part full, the host splits a
+tail (`host.split_tail`): the grid leaves out each head's last ranks,
+and a second launch of the same kernel runs them as halves of their key
+tiles (`rules.key_half`, rows from `rules.block_shift` Br on, into 2 BH
+heads of halves that `device.make_merge_halves` merges). Every block
+starts with `griddepcontrol.launch_dependents`, so that launch starts
+as this one's blocks end.
+
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
 them as the last argument; the launch's `derived` update points it at
 them before every launch, so flashlab.gpu's callers pass v5's arguments.
@@ -52,6 +60,7 @@ from flashlab.gpu.intrinsics import (
     bar_arrive,
     bar_sync,
     global_address,
+    launch_dependents,
     opaque,
     pack_bf16x2,
     pack_e4m3x4,
@@ -61,6 +70,7 @@ from flashlab.gpu.intrinsics import (
 from flashlab.gpu.warp import (
     block_place,
     full_run,
+    key_half_tiles,
     known_softmax,
     last_tile,
     make_store_rows16,
@@ -262,6 +272,9 @@ def make(D, D_V, kind="bf16"):
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
         seen = cuda.local.array(2, int32)  # met an allowed key yet
+        # a launch after this one on the stream that may start early
+        # (a split tail's pieces) may take SMs as this grid's blocks end
+        launch_dependents()
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         # rank 0, the last query block, starts first: under a causal mask
@@ -269,14 +282,20 @@ def make(D, D_V, kind="bf16"):
         # heads start together (flashlab.order)
         b, rank = block_place(cuda.blockIdx.x, cuda.blockIdx.y,
                               cuda.blockIdx.z, cuda.gridDim.x)
+        if rules.key_half:  # blockIdx.x is the half, not a head
+            b = cuda.blockIdx.z
         if b >= q.shape[0]:
             return
         bk = b // rules.group  # the K/V head of query head b
-        i0 = (cuda.gridDim.y - 1 - rank) * BR
+        # rank and rows a sum of blockIdx.y and parameters: a rank chosen
+        # block by block made ptxas spill at three warpgroups (chapter 12)
+        i0 = (cuda.gridDim.y - 1 - rank + rules.block_shift) * BR
         nq, nk = q.shape[1], k.shape[1]
         i1 = min(i0 + BR, nq)
         kv = kv_len[b]  # once: the loop's asm fences would reload it
         first, last = tile_range(i0, i1, nk, BC, rules, kv)
+        if rules.key_half:
+            first, last = key_half_tiles(first, last, cuda.blockIdx.x)
         at = shared_address(tiles, 0)
         bars = uint32(at + (ALIGN - at % ALIGN) % ALIGN)
         q_at = bars + uint32(BARRIERS)
@@ -435,8 +454,12 @@ def make(D, D_V, kind="bf16"):
             for n in range(NO):
                 for x in range(4):
                     of[n, x] *= out_scale
+        # rows from block_shift Br on; halves of keys to heads x BH + b
+        row0 = rules.block_shift * BR
+        b_to = cuda.blockIdx.x * q.shape[0] + b if rules.key_half else b
         if not STAGE:
-            store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq)
+            store_rows(o, lse, of, m, l, seen, bad, bk, b_to, row - row0,
+                       lane, nq - row0)
             return
         if first <= last:  # Q_i landed: no copy writes its tile after
             # the staging (a warpgroup that visits no tile never waited)
@@ -454,7 +477,8 @@ def make(D, D_V, kind="bf16"):
             o_at = q_at + uint32(stage_place((w - 4) % 4, wg, BR, STAGED))
         else:
             o_at = q_at + uint32(STAGE_AT + (w - 4) * STAGED)
-        store_rows(o, lse, of, m, l, seen, bad, bk, b, row, lane, nq, o_at)
+        store_rows(o, lse, of, m, l, seen, bad, bk, b_to, row - row0, lane,
+                   nq - row0, o_at)
 
     if eight:
         @cuda.jit

@@ -11,6 +11,7 @@ no checks and no numba dispatch. flashlab.gpu re-exports the public
 names. See chapters 9 to 11.
 """
 
+import functools
 import math
 import numbers
 import operator
@@ -932,6 +933,41 @@ def _pairs(x):
     return x.view(np.int32)
 
 
+# forward v8's split tail: None lets the model choose (`split_tail`); a
+# number forces that many tail ranks (0: none), as tests and benchmarks do
+SPLIT_TAIL = None
+# a block's time by its consumer warpgroups with rows, over a whole
+# block's, and a block's own work besides its tiles: forward v8 at
+# d = 64 (three warpgroups) on the H200 (python -m flashlab.bench
+# --waves, chapter 12)
+PART_COST = {1: 0.61, 2: 0.85, 3: 1.0}
+PIECE_COST = 0.02
+
+
+def split_tail(name, br, nq, bh, rules, sms=None):
+    """The last ranks of each head whose keys forward v8 (`name`) runs as
+    two halves, after the whole blocks, for the GPU to fill its last
+    wave with (0: none). Without a mask, causal or window, dropout, the
+    model (`order.split_tail`) chooses, where its costs were measured
+    (three consumer warpgroups); SPLIT_TAIL overrides."""
+    if not name.startswith("forward_v8_") or name.endswith("e4m3"):
+        return 0
+    ranks = -(-nq // br)
+    if SPLIT_TAIL is not None:
+        return max(0, min(int(SPLIT_TAIL), ranks - 1))
+    if rules.causal or rules.left >= 0 or rules.right >= 0 \
+            or rules.use_mask or rules.use_dropout or br != 192:
+        return 0
+    return _split_tail(nq, bh, br, sms or _multiprocessors())
+
+
+@functools.lru_cache(maxsize=64)
+def _split_tail(nq, bh, br, sms):
+    """split_tail's model, once a shape."""
+    return block_order.split_tail(nq, bh, br, PART_COST, sms,
+                                  PIECE_COST)[0]
+
+
 class _ForwardPlan:
     """A tensor-core forward of one (shapes, dtype, options), prepared.
 
@@ -981,9 +1017,67 @@ class _ForwardPlan:
             lse.view(call.bh, call.nq), bad, *call.args)
         self.find_slots = tuple(self.find.slot(a) for a in range(2))
         self.main_slots = tuple(self.main.slot(a) for a in range(6))
+        self.tail = split_tail(name, br, call.nq, call.bh, self.rules)
+        if self.tail:
+            self._plan_tail(name, q, k, v3, o3, lse, bad, call, br, d_v)
         self._scratch = {}  # stream -> (bad-column flags, spare lse)
         self._capturing = capture_reader()
         self._empty, self._float32 = torch.empty, torch.float32
+        self._int32 = torch.int32
+
+    def _plan_tail(self, name, q, k, v3, o3, lse, bad, call, br, d_v):
+        """The split tail's launches: the main grid without the last
+        `tail` ranks of each head; their pieces (v8 again, each block
+        over half of its keys, `key_half`), into halves (2 BH, tail Br,
+        d_v / 2) and their lse; then merge_halves into o and lse."""
+        import torch
+
+        ranks, tail = -(-call.nq // br), self.tail
+        self.grid = (self.grid[0], ranks - tail, self.grid[2])
+        self.piece_grid = (2, tail, call.bh)
+        self.halves_shape = (2 * call.bh, tail * br, d_v // 2)
+        halves = torch.empty(self.halves_shape, dtype=torch.int32,
+                             device=self.device)
+        lse_halves = torch.empty(self.halves_shape[:2],
+                                 dtype=torch.float32, device=self.device)
+        rules = self.rules._replace(block_shift=ranks - tail,
+                                    key_half=True)
+        self.pieces = kernel(name, q.shape[-1], d_v).pack(
+            self._bits(q).view(call.bh, call.nq, q.shape[-1]),
+            self._bits(k).view(call.bh_kv, call.nk, k.shape[-1]), v3,
+            halves, lse_halves, bad, rules, *self.constants)
+        merge_name = name.replace("forward_v8_", "merge_halves_")
+        self.merge = kernel(merge_name, 0, 0).pack(
+            halves, lse_halves, o3, lse.view(call.bh, call.nq),
+            (ranks - tail) * br, self.rules.lowest)
+        self.merge_grid = (-(-tail * br * (d_v // 2) // device.THREADS),
+                           call.bh)
+        self.piece_slots = tuple(self.pieces.slot(a) for a in range(6))
+        self.merge_slots = tuple(self.merge.slot(a) for a in range(4))
+
+    def _run_tail(self, q, k, v, o, lse, bad, seed, stream, poison,
+                  early=True):
+        """Launch the tail's pieces and their merge into o and lse. The
+        pieces start as the main grid's blocks end (`early`), but not in
+        a CUDA graph's capture, which takes them in stream order."""
+        halves = self._empty(self.halves_shape, dtype=self._int32,
+                             device=self.device)
+        lse_halves = self._empty(self.halves_shape[:2], dtype=self._float32,
+                                 device=self.device)
+        if poison:
+            halves.fill_(-1)  # NaN pairs
+            lse_halves.fill_(float("nan"))
+        pieces, words = self.pieces, self.pieces.words
+        for at, x in zip(self.piece_slots,
+                         (q, k, v, halves, lse_halves, bad)):
+            words[at] = x.data_ptr()
+        if self.rules.use_dropout:
+            pieces.put(6, self.rules._fields.index("seed"), "Q", int(seed))
+        pieces.launch(self.piece_grid, self.threads, stream, early=early)
+        merge, words = self.merge, self.merge.words
+        for at, x in zip(self.merge_slots, (halves, lse_halves, o, lse)):
+            words[at] = x.data_ptr()
+        merge.launch(self.merge_grid, device.THREADS, stream)
 
     def _bits(self, x):
         """x as the kernels read it: 16-bit values as int16 bits."""
@@ -1054,6 +1148,9 @@ class _ForwardPlan:
         if self.rules.use_dropout:
             main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
+        if self.tail:
+            self._run_tail(q, k, v, o, lse, bad, seed, stream, poison,
+                           early=not fresh or poison)
         return o, (lse if with_lse else None)
 
     def _new_scratch(self, stream, fresh):

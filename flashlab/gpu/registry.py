@@ -199,6 +199,11 @@ KERNELS = (
     Kernel("combine_splits", _fixed(device.combine_splits), "combine",
            _F32, **_HELPER),
     Kernel("row_dot", _fixed(device.row_dot), "row_dot", _F32, **_HELPER),
+    # forward v8's split tail: its pieces' two halves into o and lse
+    *(Kernel(f"merge_halves_{kind}",
+             _fixed(getattr(device, f"merge_halves_{kind}")),
+             "merge_halves", (dtype,), **dict(_HELPER, min_cc=(9, 0)))
+      for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # rows' (m, l) <-> the backward's (shift, norm)
     Kernel("norms_from_sums", _fixed(device.norms_from_sums), "norms",
            _F32, **_HELPER),
@@ -389,6 +394,8 @@ def argument_types(args):
                                    int32[:, :, ::1], int32[:, :, ::1], a3,
                                    int32[:, ::1], *common, uint64[::1]),
         "combine": (a3, a2, a2, a3, a2, a2, float32),
+        "merge_halves": (int32[:, :, ::1], a2, int32[:, :, ::1], a2, int64,
+                         float32),
         "row_dot": (a3, a3, a2),
         "norms": (a2, a2, a2),
         "sums": (a2, a2, a2),

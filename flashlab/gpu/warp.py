@@ -76,6 +76,8 @@ last_tile = inline(masks.last_tile)
 tile_range = inline(masks.tile_range_of(last_tile))
 # a block's head and rank in the order blocks start in
 block_place = inline(order.place)
+# a block's half of its key tiles (the host's split tail)
+key_half_tiles = inline(order.key_half_tiles)
 
 
 @inline
