@@ -193,27 +193,29 @@ def key_half_tiles(first, last, half):
 
 
 def split_works(nq, heads, br, cost, tail, piece):
-    """The works of a launch whose `tail` last ranks of every head run as
-    two halves of their keys, started after the whole blocks: each
-    head's whole blocks (cost by their parts, `block_parts`), then every
-    head's tail ranks as two pieces of cost[parts] / 2 + piece (a
+    """(whole, halves): the works of the two launches of a split tail, in
+    starting order. whole: each head's blocks but its `tail` last ranks
+    (cost by their parts, `block_parts`), head by head; halves: every
+    head's tail ranks as two pieces each of cost[parts] / 2 + piece (a
     block's own work besides its tiles, as a share of a whole block).
-    tail 0: the blocks of a launch without a split tail."""
+    tail 0: the blocks of a launch without a split tail, and none."""
     one = [float(cost[p]) for p in block_parts(nq, br)]
     whole = np.tile(one[tail:], heads)
-    halves = np.repeat([c / 2 + piece for c in one[:tail]], 2)
-    return np.concatenate([whole, np.tile(halves, heads)])
+    halves = np.tile(np.repeat([c / 2 + piece for c in one[:tail]], 2),
+                     heads)
+    return whole, halves
 
 
 def split_tail(nq, heads, br, cost, sms, piece, gain=0.02):
     """(tail, modeled time over the time without): the tail ranks whose
-    splitting ends the blocks soonest in the model (`finish` over
-    `split_works`), 0 where none gains more than `gain`."""
+    split ends soonest in the model, the whole blocks' launch (`finish`)
+    and then the halves' launch, 0 where none gains more than `gain`."""
     ranks = len(block_parts(nq, br))
-    now = finish(split_works(nq, heads, br, cost, 0, piece), sms)
+    now = finish(split_works(nq, heads, br, cost, 0, piece)[0], sms)
     best, end = 0, now
     for tail in range(1, ranks):
-        t = finish(split_works(nq, heads, br, cost, tail, piece), sms)
+        whole, halves = split_works(nq, heads, br, cost, tail, piece)
+        t = finish(whole, sms) + finish(halves, sms)
         if t < end - 1e-9:
             best, end = tail, t
     if end > now * (1 - gain):

@@ -1,14 +1,12 @@
-"""Forward v8's split tail without a GPU: the model that chooses it, the
-halves of a block's keys, and the launch record that lets the pieces
-start early (tests/test_gpu_split_tail.py runs it on a GPU)."""
-
-import ctypes
+"""Forward v8's split tail without a GPU: the model that chooses it and
+the halves of a block's keys (tests/test_gpu_split_tail.py runs it on a
+GPU)."""
 
 import numpy as np
 import pytest
 
 from flashlab import order
-from flashlab.gpu import host, launch
+from flashlab.gpu import host
 from flashlab.kernel_args import KernelRules
 
 PLAIN = KernelRules(np.float32(0.125), False, 0, -1, -1, False,
@@ -29,12 +27,18 @@ def test_key_halves_cover_the_tiles_once():
 
 def test_split_works_follow_the_launches():
     # one head of 300 rows in 128-row blocks: ranks cost 0.5 (the 44-row
-    # block), 1, 1; tail 1 splits rank 0 into two pieces after the rest
+    # block), 1, 1; tail 1 splits rank 0 into two pieces, launched after
     cost = {1: 0.5, 2: 1.0}
-    assert order.split_works(300, 1, 128, cost, 0, 0.1).tolist() == [
-        0.5, 1.0, 1.0]
-    assert order.split_works(300, 2, 128, cost, 1, 0.1) == pytest.approx(
-        [1.0, 1.0, 1.0, 1.0, 0.35, 0.35, 0.35, 0.35])
+    whole, halves = order.split_works(300, 1, 128, cost, 0, 0.1)
+    assert whole.tolist() == [0.5, 1.0, 1.0] and not halves.size
+    whole, halves = order.split_works(300, 2, 128, cost, 1, 0.1)
+    assert whole.tolist() == [1.0] * 4
+    assert halves == pytest.approx([0.35] * 4)
+    # two SMs: the whole blocks end at 2 and the pieces at 2.7, later
+    # than the launch without (2.5): the model would not split here
+    assert order.finish(whole, 2) + order.finish(halves, 2) == \
+        pytest.approx(2.7)
+    assert order.split_tail(300, 2, 128, cost, 2, 0.1) == (0, 1.0)
 
 
 def test_model_splits_the_targets_shape(monkeypatch):
@@ -61,16 +65,3 @@ def test_model_splits_the_targets_shape(monkeypatch):
                            132) == 5
     assert host.split_tail("forward_v7_f16", 192, 1000, 2, PLAIN,
                            132) == 0
-
-
-def test_early_launch_record_is_the_drivers_layout():
-    # CUlaunchAttribute: a 4-byte id, 4 of padding, a 64-byte union;
-    # CUlaunchConfig: 7 uints, then the stream, the attributes and
-    # their count at 8-byte alignment
-    assert ctypes.sizeof(launch._Attribute) == 72
-    assert launch._Attribute.value.offset == 8
-    assert ctypes.sizeof(launch._Config) == 56
-    assert launch._Config.stream.offset == 32
-    assert launch._Config.attrs.offset == 40
-    assert launch._Config.count.offset == 48
-    assert launch.PROGRAMMATIC_SERIALIZATION == 6

@@ -25,9 +25,7 @@ Where a launch's last wave would run part full, the host splits a
 tail (`host.split_tail`): the grid leaves out each head's last ranks,
 and a second launch of the same kernel runs them as halves of their key
 tiles (`rules.key_half`, rows from `rules.block_shift` Br on, into 2 BH
-heads of halves that `device.make_merge_halves` merges). Every block
-starts with `griddepcontrol.launch_dependents`, so that launch starts
-as this one's blocks end.
+heads of halves that `device.make_merge_halves` merges).
 
 The host encodes one tensor map per tensor (`tensor_maps`) and passes
 them as the last argument; the launch's `derived` update points it at
@@ -60,7 +58,6 @@ from flashlab.gpu.intrinsics import (
     bar_arrive,
     bar_sync,
     global_address,
-    launch_dependents,
     opaque,
     pack_bf16x2,
     pack_e4m3x4,
@@ -272,9 +269,6 @@ def make(D, D_V, kind="bf16"):
         l = cuda.local.array(2, float32)
         al = cuda.local.array(2, float32)
         seen = cuda.local.array(2, int32)  # met an allowed key yet
-        # a launch after this one on the stream that may start early
-        # (a split tail's pieces) may take SMs as this grid's blocks end
-        launch_dependents()
         t = cuda.threadIdx.x
         w, lane = t // 32, t % 32
         # rank 0, the last query block, starts first: under a causal mask

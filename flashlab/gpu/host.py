@@ -946,10 +946,11 @@ PIECE_COST = 0.02
 
 def split_tail(name, br, nq, bh, rules, sms=None):
     """The last ranks of each head whose keys forward v8 (`name`) runs as
-    two halves, after the whole blocks, for the GPU to fill its last
-    wave with (0: none). Without a mask, causal or window, dropout, the
-    model (`order.split_tail`) chooses, where its costs were measured
-    (three consumer warpgroups); SPLIT_TAIL overrides."""
+    two halves, in a launch after the whole blocks', so that the last
+    wave is short pieces on every SM (0: none). Without a mask, causal
+    or window, dropout, the model (`order.split_tail`) chooses, where
+    its costs were measured (three consumer warpgroups); SPLIT_TAIL
+    overrides."""
     if not name.startswith("forward_v8_") or name.endswith("e4m3"):
         return 0
     ranks = -(-nq // br)
@@ -1055,11 +1056,9 @@ class _ForwardPlan:
         self.piece_slots = tuple(self.pieces.slot(a) for a in range(6))
         self.merge_slots = tuple(self.merge.slot(a) for a in range(4))
 
-    def _run_tail(self, q, k, v, o, lse, bad, seed, stream, poison,
-                  early=True):
-        """Launch the tail's pieces and their merge into o and lse. The
-        pieces start as the main grid's blocks end (`early`), but not in
-        a CUDA graph's capture, which takes them in stream order."""
+    def _run_tail(self, q, k, v, o, lse, bad, seed, stream, poison):
+        """Launch the tail's pieces, after the main grid on the stream,
+        and their merge into o and lse."""
         halves = self._empty(self.halves_shape, dtype=self._int32,
                              device=self.device)
         lse_halves = self._empty(self.halves_shape[:2], dtype=self._float32,
@@ -1073,7 +1072,7 @@ class _ForwardPlan:
             words[at] = x.data_ptr()
         if self.rules.use_dropout:
             pieces.put(6, self.rules._fields.index("seed"), "Q", int(seed))
-        pieces.launch(self.piece_grid, self.threads, stream, early=early)
+        pieces.launch(self.piece_grid, self.threads, stream)
         merge, words = self.merge, self.merge.words
         for at, x in zip(self.merge_slots, (halves, lse_halves, o, lse)):
             words[at] = x.data_ptr()
@@ -1149,8 +1148,7 @@ class _ForwardPlan:
             main.put(6, self.rules._fields.index("seed"), "Q", int(seed))
         main.launch(self.grid, self.threads, stream)
         if self.tail:
-            self._run_tail(q, k, v, o, lse, bad, seed, stream, poison,
-                           early=not fresh or poison)
+            self._run_tail(q, k, v, o, lse, bad, seed, stream, poison)
         return o, (lse if with_lse else None)
 
     def _new_scratch(self, stream, fresh):

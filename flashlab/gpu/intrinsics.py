@@ -292,22 +292,6 @@ def ex2_poly(typingctx, x):
 
 
 @intrinsic
-def launch_dependents(typingctx):
-    """griddepcontrol.launch_dependents: this block lets the launch that
-    follows its grid on the stream with programmatic serialization
-    (launch.Packed.launch's `early`) start once every block of this grid
-    has said so or ended; without such a launch it does nothing."""
-    sig = types.void()
-
-    def codegen(context, builder, signature, args):
-        _asm(builder, "griddepcontrol.launch_dependents;", "", None, [],
-             side_effect=True)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def opaque(typingctx, x):
     """x (uint32) through a mov the compiler treats as a side effect.
 

@@ -252,14 +252,9 @@ class Packed:
         struct.pack_into("<" + code, self.buffer,
                          self.kernel.layout.offset(arg, field), value)
 
-    def launch(self, grid, block, stream, shared=None, early=False):
+    def launch(self, grid, block, stream, shared=None):
         """cuLaunchKernel on `stream` (a CUstream handle as an int), with
-        the kernel's dynamic shared memory unless `shared` says. early:
-        with programmatic stream serialization (cuLaunchKernelEx), so its
-        blocks may start while the grid before it on the stream still
-        runs, once that grid's blocks have all passed
-        `intrinsics.launch_dependents`: for a launch that reads nothing
-        the grid before writes."""
+        the kernel's dynamic shared memory unless `shared` says."""
         kernel = self.kernel
         shared = kernel.shared if shared is None else shared
         try:
@@ -276,10 +271,7 @@ class Packed:
                 kernel.handle, gx, gy, gz, bx, by, bz, shared)
         if kernel.derived is not None:
             kernel.derived.update(self, stream)
-        if early:
-            err = _launch_early(head, stream, self.extra)
-        else:
-            err = _cuda().cuLaunchKernel(*head, stream, None, self.extra)
+        err = _cuda().cuLaunchKernel(*head, stream, None, self.extra)
         if err:
             raise RuntimeError(f"cuLaunchKernel of {kernel.name}: "
                                f"{result_name(err)}")
@@ -378,37 +370,6 @@ def stream_handle(stream):
     return 0
 
 
-class _Attribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value."""
-
-    _fields_ = [("id", ctypes.c_uint), ("pad", ctypes.c_char * 4),
-                ("value", ctypes.c_char * 64)]
-
-
-class _Config(ctypes.Structure):
-    """CUlaunchConfig."""
-
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)),
-                ("count", ctypes.c_uint)]
-
-
-PROGRAMMATIC_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_..._SERIALIZATION
-
-
-def _launch_early(head, stream, extra):
-    """cuLaunchKernelEx of a launch head (handle, grid, block, shared)
-    with programmatic stream serialization allowed."""
-    handle, gx, gy, gz, bx, by, bz, shared = head
-    attr = _Attribute(id=PROGRAMMATIC_SERIALIZATION)
-    ctypes.memmove(attr.value, struct.pack("<i", 1), 4)
-    config = _Config((gx, gy, gz), (bx, by, bz), shared, stream,
-                     ctypes.pointer(attr), 1)
-    return _cuda().cuLaunchKernelEx(ctypes.byref(config), handle, None,
-                                    extra)
-
-
 _libcuda = None
 
 
@@ -421,10 +382,6 @@ def _cuda():
         lib.cuLaunchKernel.argtypes = (
             ctypes.c_void_p, *(ctypes.c_uint,) * 7, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p)
-        lib.cuLaunchKernelEx.restype = ctypes.c_int
-        lib.cuLaunchKernelEx.argtypes = (
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p)
         _libcuda = lib
     return _libcuda
 
