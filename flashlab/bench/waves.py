@@ -12,8 +12,8 @@ rows on 4 K/V heads (so K and V stay in L2), two waves; a block
 of all three parts is 1.0. With those costs `flashlab.order.wave_fill`
 models each launch's fill, printed beside it. Then the same launches
 with the split tail that flashlab.gpu.host's model chooses (the last
-ranks of each head as halves of their keys, started as the whole
-blocks end). Writes waves.json; see chapter 12, "Waves".
+ranks of each head as halves of their keys, in a launch after the
+whole blocks'). Writes waves.json; see chapter 12, "Waves".
 """
 
 import json
