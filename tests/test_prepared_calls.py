@@ -65,6 +65,25 @@ def test_run_points_the_kernels_at_the_call_s_tensors(plan):
     assert plan.find.launches == [(7, [v.data_ptr(), words[5]])]
 
 
+def test_a_split_tail_launches_its_pieces_then_their_merge(plan):
+    # the pieces: q, k, v, the halves and their lse, V's flags; then the
+    # merge of the halves into this call's o and lse, on the same stream
+    plan.tail, plan.halves_shape = 1, (4, 5, 4)
+    plan.pieces, plan.merge = Packed(6), Packed(4)
+    plan.piece_slots, plan.merge_slots = tuple(range(6)), tuple(range(4))
+    plan.piece_grid, plan.merge_grid = (2, 1, 2), (1, 2)
+    plan._int32 = torch.int32
+    q, k, v = qkv()
+    o, lse = plan.run(q, k, v, None, True)
+    (stream, main), = plan.main.launches
+    (p_stream, pieces), = plan.pieces.launches
+    (m_stream, merge), = plan.merge.launches
+    assert stream == p_stream == m_stream == 7
+    assert pieces[:3] == main[:3] and pieces[5] == main[5]
+    assert pieces[3:5] == merge[:2] and len(set(pieces[3:5])) == 2
+    assert merge[2:] == [o.data_ptr(), lse.data_ptr()]
+
+
 def test_flags_and_an_unwanted_lse_are_kept_per_stream(plan):
     q, k, v = qkv()
     o, lse = plan.run(q, k, v, None, False)

@@ -983,6 +983,8 @@ class _ForwardPlan:
     of this call read them, and the stream's next call runs after them.
     """
 
+    tail = 0  # ranks of each head split into halves (`split_tail`)
+
     def __init__(self, q, k, v, version, dtype, precision, options,
                  block_q, block_k):
         import torch

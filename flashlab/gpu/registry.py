@@ -202,7 +202,7 @@ KERNELS = (
     # forward v8's split tail: its pieces' two halves into o and lse
     *(Kernel(f"merge_halves_{kind}",
              _fixed(getattr(device, f"merge_halves_{kind}")),
-             "merge_halves", (dtype,), **dict(_HELPER, min_cc=(9, 0)))
+             "merge_halves", (dtype,), **dict(_HELPER, min_cc=MMA_CC))
       for kind, dtype in (("bf16", "bfloat16"), ("f16", "float16"))),
     # rows' (m, l) <-> the backward's (shift, norm)
     Kernel("norms_from_sums", _fixed(device.norms_from_sums), "norms",
