@@ -253,9 +253,20 @@ def test_combine_of_maxes_and_sums_is_exact_at_any_size(rng):
     # 1 and 12 keys, one split empty in a row: the output is the mean of
     # the rows' values, which lse = s + log l (log l rounded away) cannot
     # weigh; the (m, l) form weighs each split by its count
+    #
+    # At 1e6 float32's ulp is 1/16: lse keeps log 7 and log 12 as 1.9375
+    # and 2.5, so the lse form weighs the splits 6.94 : 1 : 12.18, output
+    # weights off by -0.0051, -0.0003 and +0.0054. On standard normal
+    # means that moved some draws (about 4 in 10**6) by under 1e-2 in
+    # every element. Split s's means lie within 0.5 of 2 (s - 1), so each
+    # element moves by at least 2 (0.0051 + 0.0054) - 0.5 (0.0051 +
+    # 0.0003 + 0.0054) > 0.015 here, and by more than 0.2 at finfo.min
+    # (equal weights)
     counts = np.array([7, 1, 12], np.float32)
+    centres = np.array([-2.0, 0.0, 2.0])[:, None, None, None]
     for score in (np.float32(1e6), np.finfo(np.float32).min):
-        means = rng.standard_normal((3, 2, 4, 8)).astype(np.float32)
+        means = (centres + rng.uniform(-0.5, 0.5, (3, 2, 4, 8))).astype(
+            np.float32)
         ms = np.full((3, 2, 4), score, np.float32)
         ls = np.broadcast_to(counts[:, None, None], ms.shape).copy()
         ms[1, 0, 3], ls[1, 0, 3] = -np.inf, 0.0
