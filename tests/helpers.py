@@ -30,3 +30,29 @@ def float32_budget(err_naive, ref, merges=0):
     """
     scale = max(1.0, float(np.max(np.abs(ref))))
     return max(2 * err_naive, 8 * EPS32 * scale) + 2 * merges * EPS32 * scale
+
+
+def cancelling_sizes(q, k, v, do, bias):
+    """Bounds on the float32 rounding of dQ and dK, in units of eps.
+
+    dS_ij = P_ij (dP_ij - D_i) is a difference of numbers up to |dO_i|
+    (|V_j| + |O_i|) in size, which cancel where a row's P is nearly one-
+    hot; flashlab takes D = rowsum(dO O) from the float32 output, as
+    FlashAttention does, and torch another way, so the two round dS
+    differently. Each entry of dQ (dK) sums tau dS_ij K_j (Q_i): its
+    rounding is up to about eps of these sizes summed, tens of times
+    max |dQ| where a few rows are one-hot. q, k, v, do: torch tensors
+    (B, H, N, d), k and v with H / group heads; bias: additive, float."""
+    import torch
+
+    h_kv = k.shape[-3]
+    q, k, v, do = (x.detach().double() for x in (q, k, v, do))
+    k, v = (x.repeat_interleave(q.shape[-3] // h_kv, -3) for x in (k, v))
+    tau = q.shape[-1] ** -0.5
+    p = torch.softmax(tau * q @ k.transpose(-1, -2) + bias.double(), -1)
+    o_size = (p @ v).norm(dim=-1, keepdim=True)
+    a = p * do.norm(dim=-1, keepdim=True) * (v.norm(dim=-1)[..., None, :]
+                                             + o_size)
+    dk = tau * a.transpose(-1, -2) @ q.abs()  # per query head: add groups
+    dk = dk.unflatten(-3, (h_kv, -1)).sum(-3)
+    return {"dq": float((tau * a @ k.abs()).max()), "dk": float(dk.max())}
